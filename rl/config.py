@@ -1,0 +1,296 @@
+"""Job configuration: typed OmegaConf schemas, YAML recipes and dotted command-line overrides.
+
+Every k3rl command reads `CONFIG.yaml` followed by `key=value` overrides
+(`k3rl train configs/rl/quickstart.yaml rl.lr=1e-5 ray.address=auto`). The schema is one
+dataclass tree (`JobConfig`, one section per component, as torchtitan does); a YAML file sets
+any subset of it. A recipe may start from other recipes with `base:` (a path or a list of
+paths, relative to the file), merged in order before the file's own values.
+
+Mistakes are caught before any work starts: an unknown key names its full dotted path and lists
+the valid keys at that level; a value of the wrong type names the key, the value and the type
+the schema expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from model.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that does not fit the schema."""
+
+
+@dataclass
+class RunConfig:
+    """Where a job writes and how it is seeded."""
+
+    name: str = "k3rl"
+    """Run name; the run directory is `output_dir/name`."""
+    output_dir: str = "runs"
+    seed: int = 0
+    device: str = "cpu"
+    """`cpu` or `cuda`."""
+
+
+@dataclass
+class RayConfig:
+    """How the driver joins Ray: `address=null` starts a local cluster, `auto` joins a running one."""
+
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+    """CPUs of a local cluster (null: all); ignored when joining an existing cluster."""
+    include_dashboard: bool = False
+
+
+@dataclass
+class RLConfig:
+    """The policy-gradient job: algorithm, optimiser, rollout shape and schedule."""
+
+    algo: str = "grpo"
+    """Name of an algorithm in `rl/algos/` (advantage + token-level loss)."""
+    engine: str = "torch"
+    """Rollout engine: `torch` (k3rl's own, the CPU default) or `vllm`."""
+    env: str = "search"
+    """Registered environment name."""
+    steps: int = 20
+    tasks_per_step: int = 8
+    group_size: int = 4
+    """Samples per task; group-relative algorithms normalise within a group."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    """Sampled tokens per turn."""
+    max_turns: int = 4
+    mode: str = "sync"
+    """`sync` or `async` (rollouts continue while the learner trains)."""
+    max_staleness: int = 1
+    """Async mode: the most policy versions a trained token may lag behind the learner."""
+    num_rollout_workers: int = 1
+    num_learners: int = 1
+    eval_every: int = 10
+    save_every: int = 10
+    resume: bool = False
+
+
+@dataclass
+class StageConfig:
+    """One stage of the staged context climb (8K → 64K → 256K → 1M)."""
+
+    seq_len: int = 8192
+    tokens: int = 1_000_000
+    lr: float = 3e-4
+    rope_theta: Optional[float] = None
+    """RoPE base for MLA in this stage (null keeps the model's; unused with NoPE)."""
+
+
+@dataclass
+class PretrainConfig:
+    """Staged pretraining of the backbone."""
+
+    stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
+    batch_size: int = 8
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class EvalConfig:
+    """Long-context evidence-retrieval evaluation."""
+
+    tasks: list[str] = field(default_factory=lambda: ["needle", "multihop"])
+    context_lengths: list[int] = field(default_factory=lambda: [4096])
+    num_tasks: int = 50
+    serve: str = "context"
+    """`context` (haystack in the prompt) or `search` (haystack behind the search tool)."""
+    seed: int = 1234
+
+
+@dataclass
+class JobConfig:
+    """Every section a k3rl job can set; commands read the sections they need."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), schema: type = JobConfig) -> DictConfig:
+    """Schema defaults ← `base:` recipes ← the YAML file ← `key=value` overrides, checked at each step."""
+    cfg = OmegaConf.structured(schema)
+    if path is not None:
+        for layer, source in _yaml_layers(Path(path)):
+            _check_keys(layer, schema, source)
+            cfg = _merge(cfg, layer, source, schema)
+    for item in overrides:
+        key, value = _parse_override(item)
+        _check_keys(_nest(key, value), schema, f"override '{item}'")
+        cfg = _merge(cfg, _nest(key, value), f"override '{item}'", schema)
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _yaml_layers(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[dict, str]]:
+    """The file's `base:` recipes (recursively, in order), then the file itself."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: `base:` recipes form a cycle")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    bases = data.pop("base", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: `base:` must be a path or a list of paths")
+    layers: list[tuple[dict, str]] = []
+    for base in bases:
+        layers += _yaml_layers(path.parent / base, seen + (path,))
+    layers.append((data, str(path)))
+    return layers
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _nest(key: str, value: Any) -> dict:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _schema_fields(schema: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _unwrap(tp: Any) -> Any:
+    """Optional[X] → X; list[X] → list[X] unchanged."""
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _check_keys(data: Any, schema: type, source: str, prefix: str = "") -> None:
+    """Every key of `data` must exist in `schema`; nested dicts are checked against nested dataclasses."""
+    if not isinstance(data, dict):
+        return
+    known = _schema_fields(schema)
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in known:
+            level = prefix[:-1] or "the top level"
+            named = _first_leaf_path(value, full)
+            raise ConfigError(
+                f"{source}: unknown config key '{named}' ('{key}' is not a key of {level}); "
+                f"valid keys there: {', '.join(known)}"
+            )
+        tp = _unwrap(known[key])
+        if dataclasses.is_dataclass(tp):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{source}: config key '{full}' is a section ({tp.__name__}); got value {value!r}")
+            _check_keys(value, tp, source, f"{full}.")
+        elif typing.get_origin(tp) is list and isinstance(value, list):
+            (item_tp,) = typing.get_args(tp) or (Any,)
+            if dataclasses.is_dataclass(item_tp):
+                for i, item in enumerate(value):
+                    _check_keys(item, item_tp, source, f"{full}[{i}].")
+
+
+def _first_leaf_path(value: Any, path: str) -> str:
+    """`no` with value {'such': {'key': 1}} → `no.such.key`: the whole key the user wrote."""
+    while isinstance(value, dict) and len(value) == 1:
+        (key, value), = value.items()
+        path = f"{path}.{key}"
+    return path
+
+
+def _find_path(data: Any, leaf: str, path: str = "") -> str | None:
+    """The dotted path (with [i] for list items) of the first key named `leaf` inside `data`."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        here = f"{path}[{key}]" if isinstance(data, list) else (f"{path}.{key}" if path else str(key))
+        if key == leaf:
+            return here
+        found = _find_path(value, leaf, here)
+        if found:
+            return found
+    return None
+
+
+def _expected_type(schema: type, full_key: str) -> str:
+    tp: Any = schema
+    for part in full_key.replace("]", "").replace("[", ".").split("."):
+        if part.isdigit():
+            tp = (typing.get_args(tp) or (Any,))[0]
+            continue
+        tp = _unwrap(tp)
+        if not dataclasses.is_dataclass(tp):
+            break
+        tp = _schema_fields(tp).get(part, Any)
+    return getattr(tp, "__name__", str(tp)) if not typing.get_args(tp) else str(tp).replace("typing.", "")
+
+
+def _merge(cfg: DictConfig, layer: dict, source: str, schema: type) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        value = _lookup(layer, key)
+        if value is _MISSING:
+            key = _find_path(layer, key.rsplit(".", 1)[-1]) or key
+            value = _lookup(layer, key)
+        raise ConfigError(
+            f"{source}: config key '{key}' got {value!r} ({type(value).__name__}), "
+            f"expected {_expected_type(schema, key)}"
+        ) from None
+
+
+def _lookup(data: Any, full_key: str) -> Any:
+    for part in full_key.replace("]", "").replace("[", ".").split("."):
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return _MISSING
+    return data
+
+
+_MISSING = object()

@@ -1,0 +1,102 @@
+"""Job configs: YAML recipes + dotted overrides checked against the typed schema."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rl.config import ConfigError, JobConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT)) for p in RECIPES])
+def test_every_recipe_loads(path):
+    cfg = load_config(path)
+    assert OmegaConf.get_type(cfg) is JobConfig
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(ROOT / "configs/rl/quickstart.yaml",
+                      ["rl.lr=2e-5", "ray.address=auto", "model.linear_attn_config.kda_layers=[1,2,3]",
+                       "model.num_experts=null"])
+    assert cfg.rl.lr == 2e-5 and isinstance(cfg.rl.lr, float)
+    assert cfg.ray.address == "auto"
+    assert list(cfg.model.linear_attn_config.kda_layers) == [1, 2, 3]
+    assert cfg.model.num_experts is None
+
+
+def test_unknown_override_names_whole_key_and_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/rl/quickstart.yaml", ["no.such.key=1"])
+    assert "'no.such.key'" in str(e.value)
+    for section in ("run", "ray", "model", "rl", "pretrain", "eval"):
+        assert section in str(e.value)
+
+
+def test_unknown_nested_key_lists_that_level(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("rl:\n  lr: 1.0e-5\n  learning_rate: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert "'rl.learning_rate'" in msg and "bad.yaml" in msg
+    assert "lr" in msg and "group_size" in msg and "hidden_size" not in msg
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("rl.lr=abc", "rl.lr", "float"),
+    ("rl.steps=1.5", "rl.steps", "int"),
+    ("model.linear_attn_config.num_heads=x", "model.linear_attn_config.num_heads", "int"),
+    ("pretrain.stages=[{seq_len: x}]", "pretrain.stages[0].seq_len", "int"),
+    ("rl.resume=maybe", "rl.resume", "bool"),
+])
+def test_wrong_type_names_key_value_and_type(override, key, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert f"'{key}'" in msg and f"expected {expected}" in msg
+
+
+def test_section_given_a_scalar():
+    with pytest.raises(ConfigError, match="'model' is a section"):
+        load_config(None, ["model=3"])
+
+
+@pytest.mark.parametrize("bad", ["nokey", "=3", "a..b=1", "rl.lr"])
+def test_malformed_override(bad):
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(None, [bad])
+
+
+def test_base_recipes_merge_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("rl:\n  lr: 0.1\n  steps: 5\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nrl:\n  steps: 7\n")
+    (tmp_path / "c.yaml").write_text("base: [b.yaml]\nrl:\n  group_size: 3\n")
+    cfg = load_config(tmp_path / "c.yaml", ["rl.group_size=9"])
+    assert (cfg.rl.lr, cfg.rl.steps, cfg.rl.group_size) == (0.1, 7, 9)
+
+
+def test_base_cycle_and_missing_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="not found.*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_invalid_yaml_is_named(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("rl: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml.*not valid YAML"):
+        load_config(f)
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(f)
+
+
+def test_interpolation_resolves():
+    cfg = load_config(None, ["run.name=${rl.algo}-run"])
+    assert cfg.run.name == "grpo-run"

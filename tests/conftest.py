@@ -63,6 +63,15 @@ def vllm_cpu():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_qwen3_dir, vllm_cpu):
+    """One in-process VLLMEngine on the tiny Qwen3, shared by the session (tests that change its
+    weights put the originals back)."""
+    from rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(tiny_qwen3_dir, max_model_len=1024, seed=0)
+
+
 @pytest.fixture
 def nan_poison(monkeypatch):
     """Fresh float memory from torch.empty/empty_like is filled with NaN, so a kernel that

@@ -6,7 +6,7 @@ import torch
 pytestmark = pytest.mark.vllm
 
 
-def test_generate_logprobs_match_transformers(tiny_qwen3_dir, vllm_cpu):
+def test_generate_logprobs_match_transformers(tiny_qwen3_dir, vllm_engine):
     import vllm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -14,7 +14,7 @@ def test_generate_logprobs_match_transformers(tiny_qwen3_dir, vllm_cpu):
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
                for q in ("Which module parses JSON?", "Split a path into parts.")]
-    llm = vllm_cpu(str(tiny_qwen3_dir), max_model_len=256)
+    llm = vllm_engine.llm
     params = vllm.SamplingParams(n=2, max_tokens=20, temperature=1.0, logprobs=0, seed=3)
     outs = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()

@@ -1,0 +1,74 @@
+"""The `Engine` protocol: token ids in, sampled token ids and their logprobs out.
+
+Engines never see text or chat messages: the agent loop renders tokens once (rollout/chat.py)
+and keeps the sampled tokens exactly as the engine returned them, so the learner trains on the
+very tokens that were sampled. Two engines implement it: `VLLMEngine` (any model vLLM serves)
+and `TorchEngine` (k3rl's own, for K3 on the CPU and any HF causal LM).
+
+Sampling semantics shared by both engines (they must agree in distribution): logits / temperature,
+then nucleus (top-p) truncation, then one categorical draw. The reported logprob of a sampled
+token is that of the unmodified model distribution (log_softmax of the raw logits), which is what
+the learner recomputes; temperature 0 means greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """What to sample for each prompt."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    """Strings that end a sample; the stop string stays in the output (the parser needs it)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample (kept in the output); the engine adds the tokenizer's EOS."""
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be ≥ 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be ≥ 1, got {self.max_tokens}")
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+
+@dataclass
+class Completion:
+    """One sample: its tokens, the behaviour logprob of each, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """`stop` (EOS, a stop token or a stop string) or `length` (max_tokens)."""
+    routed_experts: list | None = field(default=None, repr=False)
+    """Per sampled token, the routed expert ids of each MoE layer (engines that can report them)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    version: int
+    """Policy version of the weights currently loaded (0 for the initial weights)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """For each prompt, `params.n` completions."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the weights (checkpoint names) and set the policy version."""
+
+    def reset_cache(self) -> None:
+        """Drop cached prefixes/KV state computed with older weights."""

@@ -1,0 +1,177 @@
+"""`Trajectory`: one episode as the learner sees it — tokens, what to train on, and how it scored.
+
+Arrays, not lists: a million-token trajectory is ~10 MB (int32 tokens, uint8 mask, float32
+logprobs, int32 versions) and moves between Ray actors without per-token Python objects. The
+token sequence is exactly what the engine consumed and produced: prompt and tool observations
+rendered once (loss_mask 0), model tokens as sampled (loss_mask 1, with their behaviour logprob
+and the policy version that sampled them). Nothing is ever re-tokenised.
+
+Saved as Parquet through `datasets` (one row per trajectory); imports without torch, Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    tokens: np.ndarray
+    """[N] int32, the whole episode."""
+    loss_mask: np.ndarray
+    """[N] uint8, 1 on model-sampled tokens."""
+    logprobs: np.ndarray
+    """[N] float32, behaviour logprob of each sampled token (0 elsewhere)."""
+    versions: np.ndarray
+    """[N] int32, policy version that sampled each token (-1 elsewhere)."""
+    turn_spans: np.ndarray
+    """[turns, 2] int32, [start, end) of each sampled segment."""
+    prompt_len: int
+    reward: float = 0.0
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward components (e.g. exact match, F1, evidence recall)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Episode statistics (tool calls, turns, tokens, …)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Environment metadata (JSON-serialisable)."""
+    env: str = ""
+    task_id: str = ""
+    group_id: str = ""
+    """Trajectories sampled for the same task share a group (group-relative advantages)."""
+    finish_reason: str = ""
+    """`done` (the environment ended the episode) or `truncated:<budget>`."""
+    routed_experts: np.ndarray | None = None
+    """[N, moe_layers, top_k] int16 expert ids chosen for each token (routing replay), or None."""
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"Trajectory.routed_experts has {len(self.routed_experts)} rows for {n} tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version among the sampled tokens (staleness is measured against it)."""
+        sampled = self.versions[self.loss_mask.astype(bool)]
+        return int(sampled.min()) if len(sampled) else -1
+
+    def to_row(self) -> dict[str, Any]:
+        row = {
+            "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+            "versions": self.versions, "turn_spans": self.turn_spans.reshape(-1), "prompt_len": self.prompt_len,
+            "reward": float(self.reward), "rewards": json.dumps(self.rewards), "metrics": json.dumps(self.metrics),
+            "info": json.dumps(self.info), "env": self.env, "task_id": self.task_id, "group_id": self.group_id,
+            "finish_reason": self.finish_reason,
+            "routed_experts": None if self.routed_experts is None else self.routed_experts.reshape(-1),
+            "routed_shape": None if self.routed_experts is None else list(self.routed_experts.shape[1:]),
+        }
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "Trajectory":
+        routed = row.get("routed_experts")
+        if routed is not None:
+            routed = np.asarray(routed, dtype=np.int16).reshape(-1, *row["routed_shape"])
+        return cls(
+            tokens=np.asarray(row["tokens"], dtype=np.int32), loss_mask=np.asarray(row["loss_mask"], dtype=np.uint8),
+            logprobs=np.asarray(row["logprobs"], dtype=np.float32), versions=np.asarray(row["versions"], dtype=np.int32),
+            turn_spans=np.asarray(row["turn_spans"], dtype=np.int32).reshape(-1, 2), prompt_len=int(row["prompt_len"]),
+            reward=float(row["reward"]), rewards=json.loads(row["rewards"]), metrics=json.loads(row["metrics"]),
+            info=json.loads(row["info"]), env=row["env"], task_id=row["task_id"], group_id=row["group_id"],
+            finish_reason=row["finish_reason"], routed_experts=routed,
+        )
+
+
+class TrajectoryBuilder:
+    """Appends the segments of an episode as they happen; `finish()` makes the Trajectory."""
+
+    def __init__(self, prompt_tokens: list[int]):
+        self._tokens: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._logprobs: list[np.ndarray] = []
+        self._versions: list[np.ndarray] = []
+        self._spans: list[tuple[int, int]] = []
+        self._routed: list[tuple[int, np.ndarray]] = []
+        self.length = 0
+        self.prompt_len = len(prompt_tokens)
+        self.append_context(prompt_tokens)
+
+    def append_context(self, tokens: list[int]) -> None:
+        """Tokens the model reads but did not sample (prompt, tool observations, chat scaffolding)."""
+        n = len(tokens)
+        self._tokens.append(np.asarray(tokens, dtype=np.int32))
+        self._mask.append(np.zeros(n, dtype=np.uint8))
+        self._logprobs.append(np.zeros(n, dtype=np.float32))
+        self._versions.append(np.full(n, -1, dtype=np.int32))
+        self.length += n
+
+    def append_sampled(self, tokens: list[int], logprobs: list[float], version: int,
+                       routed_experts: np.ndarray | None = None) -> None:
+        """Tokens the model sampled, kept exactly as sampled."""
+        if len(tokens) != len(logprobs):
+            raise ValueError(f"{len(tokens)} sampled tokens but {len(logprobs)} logprobs")
+        n = len(tokens)
+        self._tokens.append(np.asarray(tokens, dtype=np.int32))
+        self._mask.append(np.ones(n, dtype=np.uint8))
+        self._logprobs.append(np.asarray(logprobs, dtype=np.float32))
+        self._versions.append(np.full(n, version, dtype=np.int32))
+        if routed_experts is not None:
+            self._routed.append((self.length, np.asarray(routed_experts, dtype=np.int16)))
+        self._spans.append((self.length, self.length + n))
+        self.length += n
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(end - start for start, end in self._spans)
+
+    def tokens(self) -> list[int]:
+        return np.concatenate(self._tokens).tolist() if self._tokens else []
+
+    def finish(self, **fields) -> Trajectory:
+        routed = None
+        if self._routed:
+            shape = self._routed[0][1].shape[1:]
+            routed = np.full((self.length, *shape), -1, dtype=np.int16)
+            for start, ids in self._routed:
+                routed[start:start + len(ids)] = ids
+        return Trajectory(
+            tokens=np.concatenate(self._tokens), loss_mask=np.concatenate(self._mask),
+            logprobs=np.concatenate(self._logprobs), versions=np.concatenate(self._versions),
+            turn_spans=np.asarray(self._spans, dtype=np.int32).reshape(-1, 2), prompt_len=self.prompt_len,
+            routed_experts=routed, **fields)
+
+
+def save_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path:
+    """Write trajectories as one Parquet file (written to a temporary name, then renamed)."""
+    from datasets import Dataset
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    Dataset.from_list([t.to_row() for t in trajectories]).to_parquet(str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def load_trajectories(path: str | Path) -> list[Trajectory]:
+    from datasets import Dataset
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no trajectory file at {path}")
+    ds = Dataset.from_parquet(str(path), keep_in_memory=True).with_format("numpy")
+    return [Trajectory.from_row(ds[i]) for i in range(len(ds))]

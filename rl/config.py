@@ -58,6 +58,8 @@ class RLConfig:
 
     algo: str = "grpo"
     """Name of an algorithm in `rl/algos/` (advantage + token-level loss)."""
+    algo_args: dict[str, Any] = field(default_factory=dict)
+    """Settings of that algorithm (clip bounds, KL, truncated IS…); its config checks the keys."""
     engine: str = "torch"
     """Rollout engine: `torch` (k3rl's own, the CPU default) or `vllm`."""
     env: str = "search"

@@ -16,6 +16,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rl.cli:config_main", "print the fully resolved config of CONFIG [overrides…] as YAML"),
     "selfcheck": ("rl.selfcheck:main", "check the stack end to end: Ray actors, Triton kernels, vLLM vs transformers"),
+    "envs": ("envs.registry:main", "list the registered environments, one line each"),
+    "corpus": ("envs.corpus_cli:main", "corpus build CONFIG|NAME [key=value…] [--rebuild]: build and cache a corpus index"),
 }
 
 

@@ -66,7 +66,7 @@ def build_tiny_qwen3(out_dir: str | Path, seed: int = 0, vocab_size: int = 1024,
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32",
+        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="float32",
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
     torch.manual_seed(seed)

@@ -9,6 +9,8 @@ These must be in the environment before vLLM is imported.
 from __future__ import annotations
 
 import os
+import sys
+from contextlib import contextmanager
 
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -32,5 +34,35 @@ def make_cpu_llm(model_dir: str, max_model_len: int = 1024, dtype: str = "float3
     configure_cpu_env()
     import vllm
 
-    return vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                    seed=seed, **kwargs)
+    with _shielded_from_kernel_scan():
+        return vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                        seed=seed, **kwargs)
+
+
+@contextmanager
+def _shielded_from_kernel_scan():
+    """Hide modules that break vLLM-CPU's start-up scan while an engine is built.
+
+    On CPU hosts vLLM rebinds its Triton kernels by scanning the namespace of every loaded module
+    and calling `vars(value).get(...)` on each attribute that has a `__dict__`. llvmlite's `ffi.lib`
+    (loaded by numba, which bm25s imports on its first search) answers any attribute, `__dict__`
+    included, with a function wrapper, so the scan crashes with "'_lib_fn_wrapper' object has no
+    attribute 'get'". Such modules hold no vLLM kernels; they are left out of `sys.modules` for the
+    duration and put back afterwards.
+    """
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            try:
+                breaks = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+            except TypeError:
+                breaks = False
+            if breaks:
+                hidden[name] = module
+                break
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)

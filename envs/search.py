@@ -1,0 +1,255 @@
+"""The search/retrieval environment: ``search``, ``open``, ``answer`` over a passage corpus.
+
+Tasks are dicts: ``question``, ``answers`` (gold aliases), ``evidence`` (gold passage
+ids), optional ``hops``, and optionally ``passages`` (``[{"id", "text", "title"?}]``)
+to search a per-task corpus instead of the shared one (the long-context families
+served behind search do this).
+
+- ``search(query, k)``: the k best passages, each with its passage id and document id.
+- ``open(doc_id, offset)``: paged reading of a whole document; ids are looked up in the
+  corpus, never used as paths, so ``../../etc/passwd`` is just an unknown id. A
+  passage id (``doc#3``) opens its document at that passage.
+- ``answer(text)``: ends the episode.
+
+Reward: ``(1 - w) * F1 + w * evidence_recall`` of the answered episode (``w`` =
+``evidence_weight``, 0.1 by default; 0 without an answer). Evidence recall counts a
+gold passage as found once a search returned it or an opened page covered it. Info
+carries EM, F1, recall, search/open counts and repeated queries.
+
+``SearchEnv.tasks`` makes paraphrase questions from the Wikipedia summaries: the
+article's short description is the question, the title the answer, its lead passage
+the evidence (CORPORA.md: descriptions share few words with the summaries).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from typing import Any, Mapping, Sequence
+
+from envs import scoring
+from envs.base import Env, Policy
+from envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
+from envs.registry import register
+from envs.tools import ToolError, tool
+
+_CORPORA: dict[str, Corpus] = {}
+
+
+def get_corpus(spec: Corpus | CorpusConfig | str) -> Corpus:
+    """A corpus from a ``Corpus``, a ``CorpusConfig``, a built-in name or a YAML path; loaded once per process."""
+    if isinstance(spec, Corpus):
+        return spec
+    if isinstance(spec, str) and spec.endswith((".yaml", ".yml")):
+        from envs.corpus_cli import read_config
+
+        spec = read_config(spec, [])
+    key = json.dumps(asdict(spec), sort_keys=True) if isinstance(spec, CorpusConfig) else spec
+    if key not in _CORPORA:
+        _CORPORA[key] = load_corpus(spec)
+    return _CORPORA[key]
+
+
+def task_corpus(passages: Sequence[Mapping[str, Any]]) -> Corpus:
+    """A BM25 corpus over a task's own passages; each passage is its own document."""
+    docs, items = [], []
+    for p in passages:
+        text, title = str(p["text"]), str(p.get("title", ""))
+        docs.append(Document(str(p["id"]), title, text))
+        items.append(Passage(str(p["id"]), str(p["id"]), title, text, 0, len(text)))
+    return Corpus.from_passages(docs, items, name="task")
+
+
+@register("search")
+class SearchEnv(Env):
+    """Agentic search over a corpus (default: Wikipedia summaries, BM25): search, open, answer; F1 + evidence recall."""
+
+    system_prompt = (
+        "You answer questions by searching a document collection. Search with short keyword queries, "
+        "open documents to read more, and call `answer` with a short final answer (a name, number or phrase)."
+    )
+
+    def __init__(
+        self,
+        corpus: Corpus | CorpusConfig | str | None = "wiki",
+        method: str = "bm25",
+        max_k: int = 10,
+        page_chars: int = 2000,
+        snippet_chars: int = 1000,
+        evidence_weight: float = 0.1,
+    ):
+        """
+        Args:
+            corpus: a ``Corpus``, a ``CorpusConfig``, a built-in source name, a corpus YAML
+                path, or None when every task carries its own ``passages``.
+            method: bm25, dense or hybrid (the corpus must have the indexes).
+            max_k: the largest ``k`` a search may ask for.
+            page_chars: characters per ``open`` page.
+            snippet_chars: longest passage text shown in search results.
+            evidence_weight: share of the reward given to evidence recall.
+        """
+        self._corpus_spec = corpus
+        self._shared: Corpus | None = None
+        self.method = method
+        self.max_k = max_k
+        self.page_chars = page_chars
+        self.snippet_chars = snippet_chars
+        self.evidence_weight = evidence_weight
+        self.corpus: Corpus | None = None
+
+    @property
+    def shared_corpus(self) -> Corpus:
+        """The corpus searched by tasks that bring no passages of their own (loaded on first use)."""
+        if self._shared is None:
+            if self._corpus_spec is None:
+                raise ValueError("this SearchEnv has no shared corpus (corpus=None): every task must carry 'passages'")
+            self._shared = get_corpus(self._corpus_spec)
+        return self._shared
+
+    def reset(self, task: Mapping[str, Any]) -> str:
+        self.task = task
+        self.corpus = task_corpus(task["passages"]) if task.get("passages") else self.shared_corpus
+        if self.method not in self.corpus.methods:
+            raise ValueError(f"search method {self.method!r} is not built for this corpus ({', '.join(self.corpus.methods)})")
+        self.answers = [str(a) for a in task.get("answers", [])]
+        self.evidence = [str(e) for e in task.get("evidence", [])]
+        self.queries: list[str] = []
+        self.rankings: list[list[str]] = []
+        self.seen: set[str] = set()
+        self.opened: list[str] = []
+        self.final: str | None = None
+        return self.prompt(task)
+
+    def prompt(self, task: Mapping[str, Any]) -> str:
+        return f"Question: {task['question']}"
+
+    @tool
+    def search(self, query: str, k: int = 5) -> str:
+        """Search the collection and return the best-matching passages with their ids.
+
+        Args:
+            query: keywords describing what to find.
+            k: number of passages to return (1 to 10).
+        """
+        if not query.strip():
+            raise ToolError("the query is empty")
+        if not 1 <= k <= self.max_k:
+            raise ToolError(f"k must be between 1 and {self.max_k}, got {k}")
+        hits = self.corpus.search(query, k, self.method)
+        self.queries.append(query)
+        self.rankings.append([h.passage.id for h in hits])
+        self.seen.update(h.passage.id for h in hits)
+        if not hits:
+            return f"No results for {json.dumps(query)}."
+        lines = [f"Results for {json.dumps(query)}:"]
+        for h in hits:
+            p = h.passage
+            doc = f" (document {p.doc_id}: {p.title})" if p.doc_id != p.id else ""
+            text = p.text if len(p.text) <= self.snippet_chars else p.text[: self.snippet_chars] + " …"
+            lines.append(f"[{h.rank}] {p.id}{doc}\n{text}")
+        return "\n\n".join(lines)
+
+    @tool
+    def open(self, doc_id: str, offset: int = 0) -> str:
+        """Read a document page by page.
+
+        Args:
+            doc_id: a document id, or a passage id (doc#n) from the search results.
+            offset: character position to start reading at (0 is the beginning).
+        """
+        doc = self.corpus.document(doc_id)
+        if doc is None:
+            passage = self.corpus.passage(doc_id)
+            if passage is None:
+                raise ToolError(f"unknown document id {json.dumps(doc_id)}; use an id from the search results")
+            doc = self.corpus.document(passage.doc_id)
+            offset = offset or passage.start
+        if not 0 <= offset < max(1, len(doc.text)):
+            raise ToolError(f"offset must be between 0 and {len(doc.text) - 1} for document {doc.id}, got {offset}")
+        end = min(len(doc.text), offset + self.page_chars)
+        if end < len(doc.text):
+            space = doc.text.rfind(" ", offset + self.page_chars * 4 // 5, end)
+            end = space if space > 0 else end
+        self.opened.append(doc.id)
+        for p in self.corpus.passages_of(doc.id):
+            if p.start < end and p.end > offset:
+                self.seen.add(p.id)
+        head = f"Document {doc.id}" + (f": {doc.title}" if doc.title else "") + f" (characters {offset}-{end} of {len(doc.text)})"
+        more = f'\n[continues: open(doc_id="{doc.id}", offset={end})]' if end < len(doc.text) else "\n[end of document]"
+        return f"{head}\n{doc.text[offset:end].strip()}{more}"
+
+    @tool(terminal=True)
+    def answer(self, text: str) -> str:
+        """Give the final answer and end the episode.
+
+        Args:
+            text: the answer, as short as possible (a name, number or phrase).
+        """
+        self.final = text
+        return "Answer recorded."
+
+    def metrics(self) -> dict[str, Any]:
+        em = scoring.exact_match(self.final, self.answers)
+        return {
+            "answered": self.final is not None,
+            "em": em,
+            "f1": scoring.f1(self.final, self.answers),
+            "evidence_recall": scoring.evidence_recall(self.seen, self.evidence),
+            "evidence_recall_at_5": scoring.recall_at_k(self.rankings, self.evidence, 5),
+            "search_calls": len(self.queries),
+            "open_calls": len(self.opened),
+            "repeated_queries": scoring.repeated_queries(self.queries),
+            "calls_per_hop": (len(self.queries) + len(self.opened)) / max(1, int(self.task.get("hops", 1))),
+        }
+
+    def reward(self) -> float:
+        if self.final is None:
+            return 0.0
+        w = self.evidence_weight
+        return (1 - w) * scoring.f1(self.final, self.answers) + w * scoring.evidence_recall(self.seen, self.evidence)
+
+    def tasks(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        """Paraphrase questions over the Wikipedia summaries (needs a ``wiki`` corpus)."""
+        return wiki_tasks(self.shared_corpus, n, seed)
+
+    def oracle(self, task: Mapping[str, Any]) -> Policy:
+        from envs.oracles import SearchOracle
+
+        return SearchOracle(task)
+
+
+def wiki_tasks(corpus: Corpus, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` questions "which article is described as …?" whose answer is a title in ``corpus``.
+
+    Kept: descriptions of at least three words, unique in the collection, sharing no
+    word with the title (so the title cannot be read off the question).
+    """
+    from envs.sources import wiki_records
+
+    records = [r for r in wiki_records() if corpus.passage(f"{r['id']}#0") is not None]
+    counts: dict[str, int] = {}
+    for r in records:
+        key = scoring.normalize_answer(r.get("description") or "")
+        counts[key] = counts.get(key, 0) + 1
+    usable = []
+    for r in records:
+        desc = (r.get("description") or "").strip()
+        key = scoring.normalize_answer(desc)
+        title_words = set(scoring.normalize_answer(r["title"]).split())
+        if len(key.split()) >= 3 and counts[key] == 1 and not title_words & set(key.split()):
+            usable.append(r)
+    if n > len(usable):
+        raise ValueError(f"only {len(usable)} usable wiki questions in corpus {corpus.name!r}, asked for {n}")
+    rng = random.Random(f"wiki-tasks:{seed}")
+    picked = rng.sample(usable, n)
+    return [
+        {
+            "id": f"wiki-{seed}-{i}",
+            "question": f'Which Wikipedia article is described as "{r["description"]}" (topic: {r.get("topic", "")})? Answer with its title.',
+            "answers": [r["title"]],
+            "evidence": [f"{r['id']}#0"],
+            "hops": 1,
+        }
+        for i, r in enumerate(picked)
+    ]

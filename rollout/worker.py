@@ -1,0 +1,101 @@
+"""`RolloutWorker`: a Ray actor that owns one engine and a pool of environments.
+
+The trainer starts several side by side (`start_workers`), sends each a share of the tasks
+(`collect`), and pushes new weights to all of them after every learner step (`load_weights`,
+with the policy version). A worker is plain Python: the same class runs in-process in tests
+and as an actor on a cluster. The engine kind comes from the config (`torch` or `vllm`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from rollout.engine import SamplingParams
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to build its engine and environments."""
+
+    model_dir: str
+    env: str
+    """Registered environment name."""
+    engine: str = "torch"
+    """`torch` or `vllm`."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_context_tokens: int = 4096
+    budget: Any = None
+    """An envs.Budget overriding the environment's default, or None."""
+    seed: int = 0
+    device: str = "cpu"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def build_engine(spec: WorkerSpec):
+    """The engine named by `spec.engine`, loaded from `spec.model_dir`."""
+    if spec.engine == "torch":
+        from rollout.torch_engine import TorchEngine
+
+        return TorchEngine.from_pretrained(spec.model_dir, device=spec.device, seed=spec.seed, **spec.engine_kwargs)
+    if spec.engine == "vllm":
+        from rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(spec.model_dir, max_model_len=spec.max_context_tokens, seed=spec.seed, **spec.engine_kwargs)
+    raise ValueError(f"unknown rollout engine {spec.engine!r}; choose 'torch' or 'vllm'")
+
+
+class RolloutWorker:
+    """Collects trajectories for tasks; see module docstring."""
+
+    def __init__(self, spec: WorkerSpec):
+        import envs
+        from rollout.agent_loop import AgentLoop
+
+        self.spec = spec
+        self.engine = build_engine(spec)
+        self.loop = AgentLoop(self.engine, self.engine.tokenizer, lambda: envs.make(spec.env, **spec.env_kwargs),
+                              spec.sampling, budget=spec.budget, max_context_tokens=spec.max_context_tokens,
+                              env_name=spec.env)
+        self.started = time.time()
+        self.episodes = 0
+
+    def collect(self, tasks: list[tuple[str, Any]], n_per_task: int, group_prefix: str = "") -> list:
+        """Run `n_per_task` episodes of each (task_id, task); trajectories of a task share a group id."""
+        from rollout.agent_loop import EpisodeRequest
+
+        requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
+                    for task_id, task in tasks for j in range(n_per_task)]
+        trajectories = self.loop.run(requests)
+        self.episodes += len(trajectories)
+        return trajectories
+
+    def load_weights(self, named_tensors: Iterable, version: int) -> int:
+        self.engine.load_weights(named_tensors, version)
+        return self.engine.version
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": True, "pid": os.getpid(), "host": socket.gethostname(), "engine": self.spec.engine,
+                "version": self.engine.version, "episodes": self.episodes,
+                "uptime_s": round(time.time() - self.started, 1),
+                "generated_tokens": self.loop.stats.generated_tokens}
+
+    def stats(self) -> dict[str, float]:
+        s = self.loop.stats
+        return {"generated_tokens": s.generated_tokens, "generate_seconds": s.generate_seconds,
+                "env_seconds": s.env_seconds, "rounds": s.rounds}
+
+
+def start_workers(spec: WorkerSpec, count: int, num_cpus: float = 1, spread: bool = True) -> list:
+    """`count` RolloutWorker actors; `spread` places them on different nodes where Ray can."""
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 0}
+    if spread:
+        options["scheduling_strategy"] = "SPREAD"
+    actor = ray.remote(RolloutWorker)
+    return [actor.options(**options).remote(spec) for _ in range(count)]

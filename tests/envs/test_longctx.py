@@ -1,0 +1,184 @@
+"""Tests of the long-context task families: determinism, sizing, serving both ways, oracles, scorers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from envs import make, run_episode
+from envs import longctx as L
+from envs import oracles as O
+from envs import scoring
+from envs.base import as_token_counter
+from envs.index import dense_model_dir
+
+FAMILIES = list(L.FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generators_are_deterministic_and_seed_dependent(family):
+    a = L.generate(family, 11, length=4096, source="wiki")
+    b = L.generate(family, 11, length=4096, source="wiki")
+    assert a == b
+    others = [L.generate(family, s, length=4096, source="wiki") for s in (12, 13, 14)]
+    assert all(o.passages != a.passages for o in others)
+    assert len({o.question for o in others} | {a.question}) > 1
+    # the question does not depend on the length: one seed gives an effective-length curve
+    longer = L.generate(family, 11, length=12000, source="wiki")
+    assert longer.question == a.question and longer.answers == a.answers and len(longer.passages) > len(a.passages)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sized_to_the_target_and_evidence_holds_the_facts(family):
+    for seed in range(20):
+        inst = L.generate(family, seed, length=6000, source="wiki")
+        n = scoring_tokens(inst)
+        assert 0.9 * 6000 <= n <= 6000 and inst.meta["tokens"] == n
+        ids = [pid for pid, _ in inst.passages]
+        assert ids == [f"p{i:05d}" for i in range(len(ids))]
+        assert set(inst.evidence) <= set(ids) and inst.evidence == sorted(inst.evidence)
+        if not inst.unanswerable:
+            assert inst.evidence
+        texts = dict(inst.passages)
+        assert all(re.search(r"registry number|apprentice|born in|mayor|banks of|ferry|Ledger entry|Memo:", texts[e]) for e in inst.evidence)
+
+
+def scoring_tokens(inst):
+    return as_token_counter(None)(L.render_context(inst))
+
+
+def test_sizing_with_a_real_tokenizer():
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(dense_model_dir() / "tokenizer.json"))
+    count = as_token_counter(tok)
+    for length in (4096, 16384):
+        inst = L.generate("multihop", 5, length=length, source="wiki", tokenizer=tok)
+        n = count(L.render_context(inst))
+        assert 0.95 * length <= n <= length and inst.meta["tokens"] == n
+
+
+def test_needle_paraphrase_has_no_literal_overlap():
+    seen = {True: 0, False: 0}
+    for seed in range(40):
+        inst = L.generate("needle", seed, length=3000, source="wiki", unanswerable_rate=0.0)
+        seen[inst.meta["paraphrase"]] += 1
+        needle = next(t for pid, t in inst.passages if pid == inst.evidence[0])
+        key = re.search(r"The (\w+) keeps a (\w+) (\w+), and its registry number", needle).groups()
+        key_words = set(" ".join(key).split())
+        q_words = set(re.findall(r"\w+", inst.question.lower()))
+        if inst.meta["paraphrase"]:
+            assert not key_words & q_words
+        else:
+            assert key_words <= q_words
+        # near-miss distractors share two of the three key words
+        misses = [m.groups() for _, t in inst.passages for m in re.finditer(r"The (\w+) keeps a (\w+) (\w+), and its registry number", t)]
+        assert len(misses) == 5 and sum(sum(x == y for x, y in zip(m, key)) == 2 for m in misses) == 4
+    assert seen[True] > 5 and seen[False] > 5
+
+
+def test_multihop_chains_and_invented_names():
+    hops = set()
+    for seed in range(40):
+        inst = L.generate("multihop", seed, length=4000, source="wiki")
+        hops.add(inst.hops)
+        assert 1 <= inst.hops <= 4
+        if not inst.unanswerable:
+            assert len(inst.evidence) == inst.hops
+            words = L._pool_words("wiki")
+            assert not any(w.lower() in words for w in inst.answers[0].split())
+    assert hops == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unanswerable_share(family):
+    insts = [L.generate(family, s, length=2500, source="wiki") for s in range(150)]
+    share = sum(i.unanswerable for i in insts) / len(insts)
+    assert 0.03 <= share <= 0.2
+    assert all(i.answers == ["unanswerable"] for i in insts if i.unanswerable)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_solves_in_context(family):
+    env = make(family, serve="context", length=3000, source="wiki")
+    tasks = env.tasks(150, seed=3)
+    assert tasks == env.tasks(150, seed=3) and tasks != env.tasks(150, seed=4)
+    results = [run_episode(env, t, env.oracle(t)) for t in tasks]
+    assert sum(r.info["em"] for r in results) / len(results) >= 0.99
+    assert sum(r.info["evidence_recall"] for r in results) / len(results) >= 0.99
+    assert all(r.info["tool_calls"] == 0 and r.info["finish_reason"] == "answered" for r in results)
+    nothing = [run_episode(env, t, lambda m: "I cannot tell.").reward for t in tasks[:30]]
+    assert sum(nothing) == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_solves_behind_search(family):
+    env = make(family, serve="search", length=3000, source="wiki")
+    tasks = env.tasks(60, seed=5)
+    results = [run_episode(env, t, env.oracle(t)) for t in tasks]
+    assert sum(r.info["em"] for r in results) / len(results) >= 0.99
+    assert all(r.info["search_calls"] >= 1 for r in results)
+    # the same instance is served both ways: the search corpus is the in-context haystack
+    inst = env.instance(tasks[0])
+    assert [p["id"] for p in inst.search_task()["passages"]] == [pid for pid, _ in inst.passages]
+    nothing = [run_episode(env, t, lambda m: "I cannot tell.").reward for t in tasks[:20]]
+    assert sum(nothing) == 0.0
+
+
+def test_multihop_search_efficiency():
+    env = make("multihop", serve="search", length=3000, source="wiki", unanswerable_rate=0.0)
+    for task in env.tasks(20, seed=9):
+        r = run_episode(env, task, env.oracle(task))
+        eff = scoring.tool_efficiency(r.info, r.info["hops"])
+        assert eff["calls_per_hop"] == 1.0 and eff["repeated_queries"] == 0 and eff["solved_within_budget"] == 1.0
+
+
+def test_shakespeare_haystack():
+    inst = L.generate("ith", 1, length=8000, source="shakespeare")
+    text = L.render_context(inst)
+    assert "ACT" in text or "Enter" in text or "SCENE" in text.upper()
+    answer, evidence = O.solve_in_context("ith", inst.question, inst.passages)
+    assert [answer] == inst.answers and evidence == inst.evidence
+
+
+def test_too_small_length_is_a_clear_error():
+    with pytest.raises(ValueError, match="too small"):
+        L.generate("aggregate", 1, length=300, source="wiki")
+    with pytest.raises(TypeError, match="unknown option"):
+        L.generate("needle", 1, length=3000, source="wiki", colour="red")
+    with pytest.raises(ValueError, match="serve must be"):
+        make("needle", serve="radio")
+
+
+def test_scorers_hand_checked():
+    assert scoring.normalize_answer("The  Quick, brown fox!") == "quick brown fox"
+    assert scoring.exact_match("the Owl.", ["owl"]) == 1.0 and scoring.exact_match(None, ["owl"]) == 0.0
+    assert scoring.exact_match("owls", ["owl"]) == 0.0
+    assert scoring.f1("barn owl", ["owl"]) == pytest.approx(2 / 3)
+    assert scoring.f1("a red fox", ["red fox", "fox"]) == 1.0
+    assert scoring.f1("cat", ["dog"]) == 0.0 and scoring.f1("", [""]) == 1.0
+    assert scoring.evidence_recall(["a", "b", "z"], ["a", "b", "c", "d"]) == 0.5
+    assert scoring.evidence_recall([], []) == 1.0
+    assert scoring.recall_at_k([["x", "a"], ["b", "y", "c"]], ["a", "b", "c"], 1) == pytest.approx(1 / 3)
+    assert scoring.recall_at_k([["x", "a"], ["b", "y", "c"]], ["a", "b", "c"], 3) == 1.0
+    assert scoring.repeated_queries(["Red fox", "fox red", "the red fox", "wolf"]) == 2
+    eff = scoring.tool_efficiency({"tool_calls": 6, "repeated_queries": 1, "em": 1.0, "truncated": False}, hops=3)
+    assert eff == {"calls_per_hop": 2.0, "repeated_queries": 1.0, "solved_within_budget": 1.0}
+    assert scoring.tool_efficiency({"tool_calls": 2, "em": 1.0, "truncated": True})["solved_within_budget"] == 0.0
+
+
+def test_parse_helpers_round_trip():
+    inst = L.generate("needle", 2, length=2000, source="wiki")
+    question, passages = O.parse_context(L.render_context(inst))
+    assert question == inst.question and passages == inst.passages
+    obs = "Results for \"x\":\n\n[1] p00003\nline one\n\nline two\n\n[2] p00007\nthird"
+    assert O.parse_results(obs) == [("p00003", "line one\n\nline two"), ("p00007", "third")]
+
+
+def test_one_million_token_haystack():
+    inst = L.generate("multihop", 4, length=1_000_000, source="mixed")
+    n = inst.meta["tokens"]
+    assert 0.98 * 1_000_000 <= n <= 1_000_000 and len(inst.passages) > 5000
+    answer, _ = O.solve_in_context("multihop", inst.question, inst.passages)
+    assert [answer] == inst.answers

@@ -1,0 +1,117 @@
+"""Tests of the search environment: tools, safe ids, paging, rewards, tasks and the oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs import Budget, Episode, format_call, run_episode
+from envs.corpus import Corpus, Document
+from envs.search import SearchEnv, wiki_tasks
+
+
+@pytest.fixture()
+def small_env():
+    long_text = " ".join(f"Sentence number {i} of the long chronicle." for i in range(200))
+    docs = [
+        Document("owl", "Owl", "Owls are nocturnal birds of prey with large eyes and silent flight."),
+        Document("oak", "Oak", "The oak is a tree that produces acorns; its wood is hard and durable."),
+        Document("chronicle", "Chronicle", long_text),
+    ]
+    return SearchEnv(corpus=Corpus.from_documents(docs, chunk_words=60), page_chars=500)
+
+
+TASK = {"question": "Which bird hunts at night?", "answers": ["owl", "owls"], "evidence": ["owl#0"]}
+
+
+def test_search_open_answer_flow(small_env):
+    ep = Episode(small_env, TASK)
+    assert ep.messages[1]["content"] == "Question: Which bird hunts at night?"
+    obs = ep.step(format_call("search", {"query": "nocturnal bird", "k": 2})).observation
+    assert obs.startswith('Results for "nocturnal bird":') and "[1] owl#0 (document owl: Owl)" in obs
+    obs = ep.step(format_call("open", {"doc_id": "owl"})).observation
+    assert obs.startswith("Document owl: Owl (characters 0-") and "[end of document]" in obs
+    step = ep.step(format_call("answer", {"text": "Owls"}))
+    assert step.done and ep.finish_reason == "answered"
+    info = ep.info
+    assert info["em"] == 1.0 and info["f1"] == 1.0 and info["evidence_recall"] == 1.0
+    assert info["search_calls"] == 1 and info["open_calls"] == 1 and info["calls_by_name"] == {"search": 1, "open": 1, "answer": 1}
+    assert ep.reward == pytest.approx(1.0)
+
+
+def test_open_pages_through_a_long_document(small_env):
+    ep = Episode(small_env, TASK, Budget(max_turns=None, max_tool_calls=None))
+    obs = ep.step(format_call("open", {"doc_id": "chronicle"})).observation
+    pages, offset = [obs], None
+    while "[continues:" in pages[-1]:
+        offset = int(pages[-1].rsplit("offset=", 1)[1].rstrip(")]"))
+        pages.append(ep.step(format_call("open", {"doc_id": "chronicle", "offset": offset})).observation)
+    assert len(pages) > 5 and pages[-1].endswith("[end of document]")
+    body = " ".join(p.split("\n", 1)[1].rsplit("\n", 1)[0] for p in pages)
+    assert body.split() == small_env.corpus.document("chronicle").text.split()
+    # a passage id opens its document at that passage
+    second = small_env.corpus.passages_of("chronicle")[1]
+    obs = ep.step(format_call("open", {"doc_id": second.id})).observation
+    assert f"(characters {second.start}-" in obs
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "owl/../oak", "", "owl#99", "OWL"])
+def test_open_rejects_unknown_ids_without_touching_files(small_env, bad):
+    ep = Episode(small_env, TASK)
+    step = ep.step(format_call("open", {"doc_id": bad}))
+    assert not step.ok and not step.done
+    assert step.observation.startswith("Error: unknown document id") and "search results" in step.observation
+    assert "root:" not in step.observation
+
+
+def test_search_argument_errors(small_env):
+    ep = Episode(small_env, TASK)
+    assert "k must be between 1 and 10, got 50" in ep.step(format_call("search", {"query": "oak", "k": 50})).observation
+    assert "the query is empty" in ep.step(format_call("search", {"query": "  "})).observation
+    assert ep.step(format_call("search", {"query": "xylophone zebra"})).observation == 'No results for "xylophone zebra".'
+    assert "offset must be between" in ep.step(format_call("open", {"doc_id": "owl", "offset": 9999})).observation
+
+
+def test_rewards_and_counts_hand_checked(small_env):
+    queries = ["tree acorns", "Acorns tree", "owl"]
+    turns = [format_call("search", {"query": q}) for q in queries] + [format_call("answer", {"text": "the oak"})]
+    result = run_episode(small_env, TASK, lambda m: turns[sum(x["role"] == "assistant" for x in m)])
+    info = result.info
+    assert info["repeated_queries"] == 1 and info["search_calls"] == 3
+    assert info["em"] == 0.0 and info["f1"] == 0.0 and info["evidence_recall"] == 1.0
+    # no answer credit, only the evidence share of the reward
+    assert result.reward == pytest.approx(0.1)
+    partial = run_episode(small_env, {**TASK, "answers": ["barn owl"]}, lambda m: format_call("answer", {"text": "owl"}))
+    assert partial.info["f1"] == pytest.approx(2 / 3) and partial.info["evidence_recall"] == 0.0
+    assert partial.reward == pytest.approx(0.9 * 2 / 3)
+
+
+def test_do_nothing_scores_zero(small_env):
+    for policy in (lambda m: "I don't know.", lambda m: format_call("search", {"query": "owl"})):
+        result = run_episode(small_env, TASK, policy)
+        assert result.reward == 0.0
+
+
+def test_per_task_corpus(small_env):
+    task = {**TASK, "passages": [{"id": "a1", "text": "the heron fishes at dawn"}, {"id": "a2", "text": "owls hunt at night"}],
+            "evidence": ["a2"]}
+    ep = Episode(small_env, task)
+    obs = ep.step(format_call("search", {"query": "hunt night"})).observation
+    assert "[1] a2\nowls hunt at night" in obs and "owl#0" not in obs
+    assert "Error: unknown document id" in ep.step(format_call("open", {"doc_id": "owl"})).observation
+
+
+def test_wiki_tasks_deterministic_and_oracle_solves(wiki_corpus):
+    env = SearchEnv(corpus=wiki_corpus)
+    a, b, c = wiki_tasks(wiki_corpus, 200, 0), wiki_tasks(wiki_corpus, 200, 0), wiki_tasks(wiki_corpus, 200, 1)
+    assert a == b and a != c
+    for task in a[:20]:
+        title = task["answers"][0].lower()
+        assert not set(title.split()) & set(task["question"].lower().split('"')[1].split())
+    results = [run_episode(env, t, env.oracle(t)) for t in a]
+    solved = sum(r.info["em"] == 1.0 for r in results)
+    assert solved / len(results) >= 0.99
+    assert sum(r.info["evidence_recall"] for r in results) / len(results) >= 0.99
+    # the question's words alone retrieve the article most of the time (paraphrase recall)
+    assert sum(r.info["search_calls"] == 1 for r in results) / len(results) > 0.6
+    nothing = [run_episode(env, t, lambda m: "no idea").reward for t in a[:50]]
+    assert sum(nothing) == 0.0

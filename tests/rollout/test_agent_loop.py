@@ -1,0 +1,140 @@
+"""The agent loop: token-faithful multi-turn episodes, masks, malformed calls, budgets.
+
+A scripted engine (it "samples" given texts, token by token through the real tokenizer) pins
+down the loop's bookkeeping exactly; tests with real engines live beside the engines.
+"""
+
+import pytest
+
+from envs import Env, format_call, tool
+from rollout.agent_loop import AgentLoop, EpisodeRequest
+from rollout.engine import Completion, SamplingParams
+
+
+class Calc(Env):
+    """Add numbers with a tool, then answer."""
+
+    def reset(self, task):
+        self.target = task["a"] + task["b"]
+        return f"What is {task['a']} + {task['b']}?"
+
+    @tool
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: first addend
+            b: second addend
+        """
+        return a + b
+
+    @tool(terminal=True)
+    def answer(self, value: int) -> float:
+        """Give the final answer.
+
+        Args:
+            value: the sum
+        """
+        return float(value == self.target)
+
+
+class ScriptedEngine:
+    """Returns the next scripted text of each episode, tokenised; logprob -0.5 per token."""
+
+    def __init__(self, tokenizer, scripts, eos_after=()):
+        self.tokenizer, self.scripts, self.version = tokenizer, [list(s) for s in scripts], 3
+        self.eos_after = set(eos_after)
+        self.seen_prompts = []
+
+    def generate(self, prompts, params):
+        out = []
+        for p in prompts:
+            self.seen_prompts.append(list(p))
+            # identify the episode by its first user message tokens (prompts differ per task)
+            k = self.index[tuple(p[:self.prefix_len])]
+            text = self.scripts[k].pop(0)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if k in self.eos_after:
+                ids = ids + [self.tokenizer.eos_token_id]
+            reason = "length" if len(ids) > params.max_tokens else "stop"
+            ids = ids[:params.max_tokens]
+            out.append([Completion(ids, [-0.5] * len(ids), reason)])
+        return out
+
+    def load_weights(self, named, version):
+        self.version = version
+
+    def reset_cache(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+
+
+def run(tokenizer, tasks, scripts, eos_after=(), **kw):
+    engine = ScriptedEngine(tokenizer, scripts, eos_after)
+    loop = AgentLoop(engine, tokenizer, Calc, SamplingParams(max_tokens=64), env_name="calc", **kw)
+    prompts = [loop.renderer.prompt_tokens([{"role": "system", "content": Calc().system_message()},
+                                            {"role": "user", "content": Calc().reset(t)}]) for t in tasks]
+    engine.prefix_len = min(len(p) for p in prompts)
+    engine.index = {tuple(p[:engine.prefix_len]): i for i, p in enumerate(prompts)}
+    assert len(engine.index) == len(tasks)
+    reqs = [EpisodeRequest(t, f"t{i}", f"g{i}") for i, t in enumerate(tasks)]
+    return loop, engine, loop.run(reqs)
+
+
+CALL = "I will add.\n" + format_call("add", {"a": 2, "b": 3})
+ANSWER = format_call("answer", {"value": 5})
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_multi_turn_episode_is_token_faithful(tokenizer, eos):
+    loop, engine, (traj,) = run(tokenizer, [{"a": 2, "b": 3}], [[CALL, ANSWER]], eos_after=[0] if eos else [])
+    assert traj.reward == 1.0 and traj.finish_reason == "done"
+    assert traj.metrics["turns"] == 2 and traj.metrics["tool_calls"] == 1
+    # loss mask covers exactly the sampled tokens, with their logprobs and the engine's version
+    sampled = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+               for t in (CALL, ANSWER)]
+    assert [traj.tokens[s:e].tolist() for s, e in traj.turn_spans] == sampled
+    assert traj.loss_mask.sum() == sum(map(len, sampled))
+    assert set(traj.logprobs[traj.loss_mask == 1]) == {-0.5} and set(traj.logprobs[traj.loss_mask == 0]) == {0.0}
+    assert set(traj.versions[traj.loss_mask == 1]) == {3}
+    # the second generate call saw exactly the first turn's tokens plus the observation
+    second = engine.seen_prompts[1]
+    assert second == traj.tokens[:traj.turn_spans[1][0]].tolist()
+    # detokenising the whole trajectory reproduces the transcript
+    text = tokenizer.decode(traj.tokens.tolist())
+    assert CALL in text and ANSWER in text and "<tool_response>\n5\n</tool_response>" in text
+    assert text.startswith(tokenizer.decode(traj.tokens[:traj.prompt_len].tolist()))
+
+
+def test_malformed_call_gives_error_observation_and_episode_goes_on(tokenizer):
+    bad = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": </tool_call>',
+           format_call("multiply", {"a": 1}), format_call("add", {"a": "two", "c": 3}), ANSWER]
+    _, _, (traj,) = run(tokenizer, [{"a": 2, "b": 3}], [bad])
+    assert traj.reward == 1.0 and traj.metrics["turns"] == 4
+    text = tokenizer.decode(traj.tokens[traj.prompt_len:].tolist())
+    assert text.count("<tool_response>") == 3  # three error observations; the answer ends the episode
+    assert "JSON" in text and "multiply" in text and "'c'" in text
+
+
+def test_batched_episodes_of_different_lengths(tokenizer):
+    tasks = [{"a": 2, "b": 3}, {"a": 10, "b": 20}, {"a": 1, "b": 1}]
+    scripts = [[CALL, ANSWER], [format_call("answer", {"value": 31})],
+               [CALL, CALL, CALL, format_call("answer", {"value": 2})]]
+    loop, _, trajs = run(tokenizer, tasks, scripts)
+    assert [t.reward for t in trajs] == [1.0, 0.0, 1.0]
+    assert [len(t.turn_spans) for t in trajs] == [2, 1, 4]
+    assert loop.stats.per_round_batch == [3, 2, 1, 1]
+    assert [t.group_id for t in trajs] == ["g0", "g1", "g2"]
+
+
+def test_context_budget_truncates(tokenizer):
+    loop, _, (traj,) = run(tokenizer, [{"a": 2, "b": 3}], [[CALL] * 50], max_context_tokens=900)
+    assert traj.prompt_len < 500 and len(traj.turn_spans) >= 2
+    assert traj.finish_reason == "truncated:context" and len(traj) <= 900
+    assert traj.reward == 0.0

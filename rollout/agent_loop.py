@@ -87,6 +87,7 @@ class AgentLoop:
             for i in active:
                 room = min(self.params.max_tokens, self.max_context_tokens - builders[i].length)
                 by_room.setdefault(room, []).append(i)
+            context_bound = {i for room, idx in by_room.items() if room < self.params.max_tokens for i in idx}
             outs = {}
             t0 = time.perf_counter()
             for room, idx in by_room.items():
@@ -104,6 +105,10 @@ class AgentLoop:
                 builder.append_sampled(completion.token_ids, completion.logprobs, self.engine.version,
                                        completion.routed_experts)
                 self.stats.generated_tokens += len(completion.token_ids)
+                if completion.finish_reason == "length" and i in context_bound:
+                    # The turn was cut by the context window, not by the turn budget: nothing more fits.
+                    finish[i] = "truncated:context"
+                    continue
                 text, ended_with_eos = self._turn_text(completion.token_ids)
                 step = episode.step(text)
                 if step.done:

@@ -69,7 +69,7 @@ def vllm_engine(tiny_qwen3_dir, vllm_cpu):
     weights put the originals back)."""
     from rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(tiny_qwen3_dir, max_model_len=1024, seed=0)
+    return VLLMEngine(tiny_qwen3_dir, max_model_len=2048, seed=0)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ transformers (and torch, ~2 s), and this module must stay cheap because every jo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,9 +279,10 @@ def load_model_yaml(path: str, overrides: Sequence[str] = ()) -> "K3Config":
         raise ValueError(f"{path}: a model recipe needs a top-level `model:` key")
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model,
                           OmegaConf.from_dotlist([o.removeprefix("model.") for o in overrides]))
-    return __getattr__("K3Config").from_model_config(cfg)
+    return _define_k3_config().from_model_config(cfg)
 
 
+@functools.cache
 def _define_k3_config() -> type:
     from transformers import AutoConfig, PretrainedConfig
 
@@ -335,6 +337,7 @@ def _define_k3_config() -> type:
 
 def __getattr__(name: str) -> Any:
     if name == "K3Config":
+        # Cached in the module namespace, so later lookups do not come back here.
         globals()["K3Config"] = cls = _define_k3_config()
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

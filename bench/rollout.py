@@ -1,0 +1,149 @@
+"""Rollout throughput: generated tokens/s and episodes/s of the native and vLLM engines.
+
+    python bench/rollout.py            # batch 1, 8, 32; 64 new tokens per sample
+    python bench/rollout.py --quick    # batch 1, 8; 16 new tokens
+
+Models are built on the spot: the tiny K3 (configs/model/tiny.yaml, random init, its tokenizer)
+and the tiny Qwen3 of rollout/tiny_qwen3.py (vLLM on the CPU serves standard HF architectures,
+not K3). Baseline, measured in the same run: Hugging Face `generate` (sampling, left-padded
+batch, KV cache) on the same Qwen3 — the engines' tokens/s are reported as a ratio to it.
+Episodes/s runs the agent loop against the search environment (each task carries its own
+passages) with a sampling budget of `--max-tokens` per turn; the random models mostly end
+after one turn, so episodes/s measures the loop's overhead around generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def prompts_for(tokenizer, batch: int, length: int = 32, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    words = "the river city north king war music water light stone long short early late house".split()
+    out = []
+    for _ in range(batch):
+        text = " ".join(rng.choice(words) for _ in range(length * 2))
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:length])
+    return out
+
+
+def timed(fn, repeats: int = 2) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def hf_generate(model, tokenizer, prompts, max_tokens):
+    import torch
+
+    T = max(map(len, prompts))
+    pad = tokenizer.pad_token_id or 0
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, pad_token_id=pad)
+    return int((out.shape[1] - T) * len(prompts))
+
+
+def engine_generate(engine, prompts, max_tokens):
+    from rollout.engine import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=0))
+    return sum(len(c.token_ids) for o in outs for c in o)
+
+
+def search_tasks(n: int) -> list[dict]:
+    passages = [{"id": f"p{i}", "title": f"Doc {i}", "text": f"Passage {i} says the code word is w{i * 7}."}
+                for i in range(20)]
+    return [{"question": f"What is the code word of passage {i}?", "answers": [f"w{i * 7}"],
+             "evidence": [f"p{i}"], "passages": passages} for i in range(n)]
+
+
+def episodes_per_second(engine, tokenizer, n: int, max_tokens: int) -> float:
+    import envs
+    from rollout.agent_loop import AgentLoop, EpisodeRequest
+    from rollout.engine import SamplingParams
+
+    loop = AgentLoop(engine, tokenizer, lambda: envs.make("search"), SamplingParams(max_tokens=max_tokens, seed=0),
+                     max_context_tokens=4096, env_name="search")
+    reqs = [EpisodeRequest(t, f"t{i}", f"g{i}") for i, t in enumerate(search_tasks(n))]
+    seconds, _ = timed(lambda: loop.run(reqs), repeats=1)
+    return n / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--no-vllm", action="store_true")
+    args = parser.parse_args()
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+
+    from rollout.vllm_cpu import configure_cpu_env
+
+    configure_cpu_env()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model.cli import init_main
+    from rollout.tiny_qwen3 import build_tiny_qwen3
+    from rollout.torch_engine import TorchEngine
+
+    torch.set_num_threads(1)  # the same single thread vLLM gets on this machine
+    work = Path(tempfile.mkdtemp(prefix="k3rl-bench-"))
+    init_main([str(ROOT / "configs/model/tiny.yaml"), str(work / "k3")])
+    qwen_dir = build_tiny_qwen3(work / "qwen3")
+    k3 = TorchEngine.from_pretrained(work / "k3", seed=0)
+    qwen_native = TorchEngine.from_pretrained(qwen_dir, seed=0)
+    qwen_hf = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).eval()
+    qwen_tok = AutoTokenizer.from_pretrained(qwen_dir)
+    engines = [("native", "tiny K3", k3, k3.tokenizer), ("native", "tiny Qwen3", qwen_native, qwen_tok)]
+    if not args.no_vllm:
+        from rollout.vllm_engine import VLLMEngine
+
+        vllm = VLLMEngine(qwen_dir, max_model_len=4096, seed=0)
+        engines.append(("vLLM", "tiny Qwen3", vllm, qwen_tok))
+
+    rows = []
+    for batch in batches:
+        prompts = prompts_for(qwen_tok, batch)
+        base_s, base_tokens = timed(lambda: hf_generate(qwen_hf, qwen_tok, prompts, max_tokens))
+        base = base_tokens / base_s
+        rows.append(("HF generate (baseline)", "tiny Qwen3", batch, base, 1.0))
+        for kind, name, engine, tok in engines:
+            p = prompts_for(tok, batch)
+            seconds, tokens = timed(lambda: engine_generate(engine, p, max_tokens))
+            rows.append((kind, name, batch, tokens / seconds, (tokens / seconds) / base if "Qwen3" in name else None))
+    episode_rows = [(kind, name, episodes_per_second(engine, tok, 8, max_tokens)) for kind, name, engine, tok in engines]
+
+    print(f"\nGenerated tokens/s, {max_tokens} new tokens per sample, prompts of 32 tokens, 1 thread "
+          f"(torch {torch.__version__}, {os.cpu_count()} cores)\n")
+    print("| engine | model | batch | tokens/s | vs HF generate |")
+    print("|---|---|---|---|---|")
+    for kind, name, batch, tps, ratio in rows:
+        print(f"| {kind} | {name} | {batch} | {tps:,.0f} | {'' if ratio is None else f'{ratio:.2f}×'} |")
+    print("\nEpisodes/s, agent loop + search environment, 8 episodes at once\n")
+    print("| engine | model | episodes/s |")
+    print("|---|---|---|")
+    for kind, name, eps in episode_rows:
+        print(f"| {kind} | {name} | {eps:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

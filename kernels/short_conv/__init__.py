@@ -1,0 +1,11 @@
+"""Depthwise causal short convolution with a decode-time state (K3_SPEC §5.1, §5.6).
+
+`causal_conv1d(x, weight, state=None, activation="silu") -> (y, new_state)` is the entry point
+(vectorised, one `F.conv1d` over the state followed by the new tokens); `naive_causal_conv1d`
+is the per-token reference that the tests compare it with.
+"""
+
+from kernels.short_conv.conv import causal_conv1d
+from kernels.short_conv.naive import naive_causal_conv1d
+
+__all__ = ["causal_conv1d", "naive_causal_conv1d"]

@@ -1,0 +1,145 @@
+"""Kimi Delta Attention layer (K3_SPEC §4.3–4.4, §5): the linear-attention token mixer of K3.
+
+    q̃, k̃, ṽ = W_q x, W_k x, W_v x                           [B, T, H·K]
+    q, k, v  = SiLU(CausalConv(q̃)), SiLU(CausalConv(k̃)), SiLU(CausalConv(ṽ))
+    g        = kda_gate(W_fb W_fa x, A_log, dt_bias, lb)     per-channel log decay (both forms)
+    β        = σ(W_b x)
+    o        = KDA(l2norm(q)·K^-½, l2norm(k), v, g, β)      chunked (train/prefill) or recurrent (decode)
+    y        = W_o · concat_h( RMSNorm_{o_norm, eps=1e-5}(o_h) ⊙ σ(gate_h) )
+
+The gate is full rank (`g_proj`, K3) or low rank (`g_a_proj`→`g_b_proj`, Kimi-Linear) per
+`use_full_rank_gate`. The layer owns the parameters; the math lives in `kernels/kda` (delta rule,
+gate) and `kernels/short_conv` (conv with decode state). `A_log`, `dt_bias` and the conv
+weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is always computed in fp32.
+Left-padding tokens (`StepInfo.valid`) enter as zero inputs, which leaves conv and recurrent
+state exactly as if the padding were absent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from kernels.short_conv import causal_conv1d
+from model.cache import StepInfo
+
+_FP32_PARAMS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+class ShortConv(nn.Module):
+    """Holds one depthwise causal conv weight [C, 1, W] (checkpoint `{q,k,v}_conv1d.weight`)."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, C], state [B, C, W-1] or None → (SiLU(conv) [B, T, C], new state)."""
+        return causal_conv1d(x, self.weight.squeeze(1), state, activation="silu")
+
+
+class GatedRMSNorm(nn.Module):
+    """`RMSNorm_{weight[K]}(o) ⊙ σ(gate)` over the head dim, weight shared by heads (spec §5.4)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o, gate [..., K] → [...,  K] in gate's dtype (computed in ≥ fp32)."""
+        dt = torch.promote_types(o.dtype, torch.float32)
+        of = o.to(dt)
+        normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(dt)
+        return (normed * torch.sigmoid(gate.to(dt))).to(gate.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer of layer `layer_idx`; checkpoint names of spec §4.3 (prefix `self_attn.`)."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        lac = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = H, K = lac["num_heads"], lac["head_dim"]
+        self.conv_width = W = lac["short_conv_kernel_size"]
+        self.lower_bound = lac["gate_lower_bound"]
+        d, P = config.hidden_size, H * K
+        self.q_proj = nn.Linear(d, P, bias=False)
+        self.k_proj = nn.Linear(d, P, bias=False)
+        self.v_proj = nn.Linear(d, P, bias=False)
+        if lac["use_full_rank_gate"]:
+            self.g_proj = nn.Linear(d, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.q_conv1d = ShortConv(P, W)
+        self.k_conv1d = ShortConv(P, W)
+        self.v_conv1d = ShortConv(P, W)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.o_norm = GatedRMSNorm(K, eps=1e-5)
+        self.o_proj = nn.Linear(P, d, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        A_log, dt_bias = self.initial_gate_values()
+        self.A_log.copy_(A_log)
+        self.dt_bias.copy_(dt_bias)
+
+    def initial_gate_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A_log = log U(1, 16); dt_bias = softplus⁻¹(dt), dt log-uniform in [1e-3, 1e-1] (Mamba/FLA init)."""
+        A_log = torch.empty_like(self.A_log).uniform_(1.0, 16.0).log()
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+        return A_log, dt + torch.log(-torch.expm1(-dt))
+
+    def _apply(self, fn, recurse: bool = True):
+        # Casts to half types (model.to(bf16), .half()) leave the fp32 gate and conv parameters alone;
+        # fp64 (for exactness tests) is allowed.
+        keep = {name: p.data for name, p in self.named_parameters() if name in _FP32_PARAMS}
+        super()._apply(fn, recurse)
+        for name, p in self.named_parameters():
+            if name in keep and p.dtype in (torch.float16, torch.bfloat16):
+                p.data = keep[name].to(device=p.device, dtype=torch.float32)
+        return self
+
+    def forward(self, x: torch.Tensor, step: StepInfo) -> torch.Tensor:
+        """x [B, T, d] (the normalised layer input) → [B, T, d]; reads/updates `step.cache`."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        if step.valid is not None:
+            x = torch.where(step.valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+        cache = step.cache
+        conv_state = cache.conv[self.layer_idx] if cache is not None else None  # [B, 3P, W-1]
+        qkv_states = (None,) * 3 if conv_state is None else conv_state.chunk(3, dim=1)
+        q, q_state = self.q_conv1d(self.q_proj(x), qkv_states[0])  # [B, T, P]
+        k, k_state = self.k_conv1d(self.k_proj(x), qkv_states[1])
+        v, v_state = self.v_conv1d(self.v_proj(x), qkv_states[2])
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.lower_bound)  # [B, T, H, K] fp32
+        beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
+        initial = cache.recurrent[self.layer_idx] if cache is not None else None  # [B, H, K, V]
+
+        # Recurrent for a one-token decode step, chunked for training and prefill.
+        kda = fused_recurrent_kda if T == 1 else chunk_kda
+        o, final = kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), g, beta,
+                       scale=K ** -0.5, initial_state=initial, output_final_state=cache is not None,
+                       use_qk_l2norm_in_kernel=True)  # o [B, T, H, V]
+        if cache is not None:
+            cache.conv[self.layer_idx] = torch.cat([q_state, k_state, v_state], dim=1).to(cache.dtype)
+            cache.recurrent[self.layer_idx] = final.to(cache.state_dtype)
+
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))  # [B, T, P]
+        o = self.o_norm(o.to(x.dtype), gate.view(B, T, H, K))  # [B, T, H, V]
+        return self.o_proj(o.reshape(B, T, H * K))

@@ -1,0 +1,114 @@
+"""Gated Multi-head Latent Attention (K3_SPEC §4.5, §6, §11): the full-attention token mixer of K3.
+
+    c_q = RMSNorm(W_qa x);  q = W_qb c_q   (or q = W_q x when q_lora_rank is null)  → [q_nope ; q_pe] per head
+    [kv_c ; k_pe] = W_kva x;  kv_c = RMSNorm(kv_c)          the latent: Lkv + dr values per token
+    [k_nope ; v] = W_kvb kv_c per head;  key = [k_nope ; k_pe] (k_pe shared by all heads)
+    a = causal softmax attention, scale (dn + dr)^-½;   y = W_o (a ⊙ σ(W_g x))
+
+NoPE (released K3, `mla_use_nope`) leaves q_pe and k_pe unrotated; otherwise both get RoPE with
+base `config.rope_theta` (read at every call, so a staged context recipe can raise it),
+interleaved pairs (x[2m], x[2m+1]) as in DeepSeek MLA, at each token's position in its sequence.
+
+The decode cache holds only the latent `[kv_c ; k_pe]` (k_pe after rotation). Attention goes
+through `F.scaled_dot_product_attention` in two equivalent forms, picked in one line:
+  * expanded (training, prefill): keys and values are up-projected per head from the latents;
+  * absorbed (one-token decode): W_UK folds into the query and W_UV into the output, so the
+    step attends over the cached latents directly (Lkv + dr per key) without expanding them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attn_res import RMSNorm
+from model.cache import StepInfo
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate interleaved pairs of x [B, T, ..., D] by positions [B, T] · theta^(-2m/D), m < D/2."""
+    D = x.shape[-1]
+    dt = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = theta ** -(torch.arange(0, D, 2, device=x.device, dtype=dt) / D)  # [D/2]
+    angle = positions.to(dt)[..., None] * inv_freq  # [B, T, D/2]
+    angle = angle.view(*angle.shape[:2], *([1] * (x.ndim - 3)), D // 2)  # [B, T, 1.., D/2]
+    cos, sin = angle.cos(), angle.sin()
+    pairs = x.to(dt).unflatten(-1, (D // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+class MultiheadLatentAttention(nn.Module):
+    """MLA token mixer of layer `layer_idx`; checkpoint names of spec §4.5 (prefix `self_attn.`)."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        d = config.hidden_size
+        self.num_heads = H = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = qk_dim ** -0.5
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+
+    def forward(self, x: torch.Tensor, step: StepInfo) -> torch.Tensor:
+        """x [B, T, d] (the normalised layer input) → [B, T, d]; appends this step's latents to `step.cache`."""
+        B, T, _ = x.shape
+        H, dn, dr = self.num_heads, self.nope_dim, self.rope_dim
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(B, T, H, dn + dr).split([dn, dr], dim=-1)  # [B, T, H, dn], [B, T, H, dr]
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, dr], dim=-1)  # [B, T, Lkv], [B, T, dr]
+        if not self.config.mla_use_nope:
+            q_pe = apply_rope(q_pe, step.positions, self.config.rope_theta)
+            k_pe = apply_rope(k_pe, step.positions, self.config.rope_theta)
+        latent = torch.cat([self.kv_a_layernorm(kv_c), k_pe], dim=-1)  # [B, T, Lkv + dr]
+        if step.cache is not None:
+            latent = step.cache.append_latent(self.layer_idx, latent, step.start)  # [B, S, Lkv + dr]
+
+        # Absorbed for a one-token decode step, expanded for training and prefill.
+        attend = self._attend_absorbed if T == 1 else self._attend_expanded
+        out = attend(q_nope, q_pe, latent, step)  # [B, T, H, dv]
+        out = out.reshape(B, T, H * self.v_dim)
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _sdpa(self, q, k, v, step: StepInfo) -> torch.Tensor:
+        """q [B, H, T, D], k [B, H, S, D], v [B, H, S, Dv] → [B, H, T, Dv], causal or step.mask."""
+        causal = step.mask is None and q.shape[2] > 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=causal, scale=self.scale)
+
+    def _attend_expanded(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
+        B, S, _ = latent.shape
+        H, dn, dr = self.num_heads, self.nope_dim, self.rope_dim
+        kv_c, k_pe = latent.split([self.kv_rank, dr], dim=-1)
+        k_nope, v = self.kv_b_proj(kv_c).view(B, S, H, dn + self.v_dim).split([dn, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, dr)], dim=-1)  # [B, S, H, dn + dr]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [B, T, H, dn + dr]
+        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), step)  # [B, H, T, dv]
+        return out.transpose(1, 2)
+
+    def _attend_absorbed(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
+        B, S, D = latent.shape
+        H, dn = self.num_heads, self.nope_dim
+        w = self.kv_b_proj.weight.view(H, dn + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, Lkv], [H, dv, Lkv]
+        q_lat = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)  # [B, H, T, Lkv]
+        q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, Lkv + dr]
+        keys = latent[:, None].expand(B, H, S, D)  # [B, H, S, Lkv + dr], shared by heads
+        values = latent[:, None, :, : self.kv_rank].expand(B, H, S, self.kv_rank)
+        out_lat = self._sdpa(q, keys, values, step)  # [B, H, T, Lkv]
+        return torch.einsum("bhtl,hvl->bthv", out_lat, w_uv)  # [B, T, H, dv]

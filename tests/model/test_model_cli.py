@@ -1,0 +1,67 @@
+"""`k3rl params` (meta-device counts: the reference config is ~2.8T total / ~104B active with 896
+routed experts; counts equal a real model's) and `k3rl init` (an HF directory that loads, with a
+tokenizer whose ids fit the config)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3_factory import make_config
+from model.cli import count_parameters, init_main, params_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reference_config_is_2_8t_total_104b_active(capsys):
+    assert params_main([str(ROOT / "configs/model/k3-2.8t.yaml"), "--json"]) == 0
+    counts = json.loads(capsys.readouterr().out)
+    assert abs(counts["total"] / 2.8e12 - 1) <= 0.03, counts["total"]
+    assert abs(counts["active"] / 104e9 - 1) <= 0.03, counts["active"]
+    assert counts["num_experts"] == 896 and counts["num_experts_per_token"] == 16
+    comps = counts["components"]
+    assert sum(c["total"] for c in comps.values()) == counts["total"]
+    assert comps["moe.routed_experts"]["active"] * 56 == comps["moe.routed_experts"]["total"]  # 896 / 16
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(routed_expert_hidden_size=16, latent_moe_use_norm=True, moe_layer_freq=2,
+                                              media_placeholder_token_id=3, attn_res_block_size=None)])
+def test_meta_count_equals_a_real_model(kw):
+    from model.modeling import K3ForCausalLM
+
+    cfg = make_config(num_hidden_layers=5, kda_layers=(1, 2, 4), **kw)
+    counts = count_parameters(cfg)
+    model = K3ForCausalLM(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counts["active"] == counts["total"] - routed + routed * cfg.num_experts_per_token // cfg.num_experts
+
+
+def test_params_table(capsys):
+    assert params_main([str(ROOT / "configs/model/tiny.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "moe.routed_experts" in out and "layers: 8 (6 KDA, 2 MLA; 7 MoE, 1 dense)" in out
+
+
+def test_init_writes_a_loadable_model_and_tokenizer(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from model.tokenizer import load_tokenizer
+
+    out = tmp_path / "tiny"
+    assert init_main([str(ROOT / "configs/model/tiny.yaml"), str(out), "model.num_hidden_layers=4",
+                      "model.linear_attn_config.kda_layers=[1,2,3]", "model.linear_attn_config.full_attn_layers=[4]"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = load_tokenizer(str(out))
+    assert len(tok) <= model.config.vocab_size
+    assert tok.convert_tokens_to_ids("<|media_pad|>") == model.config.media_placeholder_token_id
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                                return_dict=True)["input_ids"]])
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    assert init_main([str(ROOT / "configs/model/tiny.yaml"), str(out)]) == 2  # refuses a non-empty directory
+    assert init_main([str(ROOT / "configs/model/k3-2.8t.yaml"), str(tmp_path / "big")]) == 2  # does not fit

@@ -1,0 +1,325 @@
+"""Atomic, self-verifying checkpoints of a run: `step-000010/` directories, a `latest` pointer, the last K kept.
+
+Layout of a checkpoint root (the trainer uses `<run_dir>/checkpoints`):
+
+    step-000010/                 one complete checkpoint
+        config.json, model.safetensors, tokenizer files   the Hugging Face model (Learner.save_into)
+        optimizer.pt, rng-rank00000.pt, …                  learner state (Learner.save_into)
+        trainer_state.pt, trajectories-<key>.parquet       driver state (save_trainer_state)
+        COMPLETE                                           manifest, written last
+    latest                       "step-000010": a pointer for people and tools
+    .tmp-step-000020-<random>/   a save in progress (or one a crash interrupted)
+
+How a save stays atomic (`CheckpointManager.begin`): everything is written into a temporary
+directory beside the target; then every file and directory in it is fsynced, the `COMPLETE`
+manifest (relative path → size of every file) is written and fsynced, the directory is renamed
+to `step-XXXXXX` (`os.replace`, atomic on POSIX) and the parent fsynced; only then is `latest`
+replaced (temp file + `os.replace`) and are checkpoints beyond the newest K deleted (renamed
+to a `.trash-*` name first, so a crash during deletion never leaves a `step-*` directory with
+missing files). A crash at any moment therefore leaves the previous complete checkpoint, the
+new complete one, or both; never a `step-*` directory without its manifest.
+
+`find_latest` trusts directories, not the pointer: it returns the highest-numbered `step-*`
+directory that holds a `COMPLETE` manifest (a crash between the rename and the pointer update
+loses nothing) and ignores temp, trash and manifest-less directories. The manifest is checked
+against the files on disk (sizes); a complete-looking checkpoint whose files do not match is
+`CorruptCheckpointError` rather than a silent fall-back to an older step, which would repeat
+training steps and drop the trajectories collected since.
+
+Trainer state (`save_trainer_state`): a dict saved with `torch.save` (`trainer_state.pt`),
+except that each top-level value that is a non-empty list of `Trajectory` goes to its own
+Parquet file through `rollout.trajectory.save_trajectories` (no pickled numpy per token). The
+driver's RNG states (python, numpy, torch, CUDA) are added automatically and restored by
+`load_trainer_state`. The files are trusted (they are this run's own): `torch.load` is called
+with `weights_only=False`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_TRAJECTORIES = "__trajectories__"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory has no COMPLETE manifest: a save that never finished, or not a checkpoint."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The manifest does not match the files on disk, or a file cannot be read."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest(root: Path) -> dict[str, int]:
+    """Relative path → size of every file under root (the manifest itself excluded)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name != COMPLETE:
+            out[path.relative_to(root).as_posix()] = path.stat().st_size
+    return out
+
+
+def _sync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            _fsync_file(path)
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(root)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def mark_complete(directory: str | Path, **meta: Any) -> None:
+    """fsync everything under `directory`, then write its COMPLETE manifest (last, fsynced)."""
+    directory = Path(directory)
+    _sync_tree(directory)
+    manifest = {"files": _manifest(directory), **meta}
+    with open(directory / COMPLETE, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def verify(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; IncompleteCheckpointError / CorruptCheckpointError otherwise."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise IncompleteCheckpointError(f"no checkpoint directory at {directory}")
+    marker = directory / COMPLETE
+    if not marker.is_file():
+        raise IncompleteCheckpointError(f"{directory}: no {COMPLETE} manifest (a save that did not finish?)")
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{directory}: unreadable {COMPLETE} manifest ({e})") from None
+    for rel, size in files.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CorruptCheckpointError(f"{directory}: {rel} is listed in the manifest but missing")
+        if path.stat().st_size != size:
+            raise CorruptCheckpointError(f"{directory}: {rel} has {path.stat().st_size} bytes, "
+                                         f"the manifest says {size}")
+    return manifest
+
+
+@contextmanager
+def atomic_dir(target: str | Path, **meta: Any) -> Iterator[Path]:
+    """Yield a temp dir beside `target`; on success mark it complete and rename it to `target`.
+
+    An existing `target` is replaced only after the new one is complete. On an exception the
+    temp dir is removed and the exception propagates (a hard crash leaves it; it is ignored).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        mark_complete(tmp, **meta)
+        if target.exists():
+            old = target.parent / f".trash-{target.name}-{secrets.token_hex(4)}"
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every `step-*` directory under root holding a COMPLETE manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        m = _STEP_DIR.match(path.name)
+        if m and path.is_dir() and (path / COMPLETE).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_latest(root: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint under root, verified; None when there is none.
+
+    Temp dirs, trash and `step-*` dirs without a manifest are ignored; a manifest that does not
+    match its files raises CorruptCheckpointError (see module docstring).
+    """
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    path = found[-1][1]
+    verify(path)
+    return path
+
+
+class CheckpointManager:
+    """Writes `step-XXXXXX` checkpoints under `root` atomically and keeps the newest `keep` of them."""
+
+    def __init__(self, root: str | Path, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep: must be ≥ 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+
+    @contextmanager
+    def begin(self, step: int) -> Iterator[Path]:
+        """Yield the temp dir to write step `step` into; on exit commit it, point `latest` at it, prune."""
+        with atomic_dir(self.root / step_dir_name(step), step=step) as tmp:
+            yield tmp
+        self._write_latest(step)
+        self.prune()
+
+    def _write_latest(self, step: int) -> None:
+        _write_text_atomic(self.root / LATEST, step_dir_name(step) + "\n")
+
+    def latest(self) -> Optional[Path]:
+        return find_latest(self.root)
+
+    def prune(self) -> list[Path]:
+        """Delete complete checkpoints beyond the newest `keep`, and leftovers of crashed saves."""
+        removed = []
+        for _, path in list_checkpoints(self.root)[:-self.keep]:
+            trash = self.root / f".trash-{path.name}-{secrets.token_hex(4)}"
+            os.replace(path, trash)
+            removed.append(path)
+        _fsync_dir(self.root)
+        for path in self.root.iterdir():
+            if path.name.startswith((".trash-", ".tmp-step-")) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: python `random`, numpy's global, torch CPU, and every CUDA device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _is_trajectory_list(value: Any) -> bool:
+    from rollout.trajectory import Trajectory
+
+    return isinstance(value, list) and len(value) > 0 and all(isinstance(t, Trajectory) for t in value)
+
+
+def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> None:
+    """Write the driver's state into `directory` (usually the temp dir of `CheckpointManager.begin`).
+
+    Non-empty lists of `Trajectory` (unconsumed trajectories, partial groups, …) are written as
+    `trajectories-<key>.parquet`; everything else, plus the driver's RNG states, to trainer_state.pt.
+    """
+    from rollout.trajectory import save_trajectories
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", key):
+            raise ValueError(f"trainer state keys must be plain names ([A-Za-z0-9_.-]+), got {key!r}")
+        if _is_trajectory_list(value):
+            name = f"trajectories-{key}.parquet"
+            save_trajectories(value, directory / name)
+            out[key] = {_TRAJECTORIES: name, "count": len(value)}
+        else:
+            out[key] = value
+    torch.save({"state": out, "rng": capture_rng()}, directory / TRAINER_STATE)
+
+
+def load_trainer_state(directory: str | Path, restore_rng_state: bool = True) -> dict[str, Any]:
+    """The dict given to `save_trainer_state`, trajectories loaded back; restores the driver's RNG.
+
+    `directory` must be a complete checkpoint (verified first).
+    """
+    from rollout.trajectory import load_trajectories
+
+    directory = Path(directory)
+    verify(directory)
+    path = directory / TRAINER_STATE
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"{directory}: no {TRAINER_STATE} (a learner-only checkpoint?)")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        state = {}
+        for key, value in saved["state"].items():
+            if isinstance(value, dict) and _TRAJECTORIES in value:
+                trajectories = load_trajectories(directory / value[_TRAJECTORIES])
+                if len(trajectories) != value["count"]:
+                    raise CorruptCheckpointError(f"{directory}: {value[_TRAJECTORIES]} holds {len(trajectories)} "
+                                                 f"trajectories, {value['count']} were saved")
+                value = trajectories
+            state[key] = value
+    except CheckpointError:
+        raise
+    except Exception as e:  # a truncated or foreign file: name the checkpoint, keep the cause
+        raise CorruptCheckpointError(f"{directory}: cannot read the trainer state ({type(e).__name__}: {e})") from e
+    if restore_rng_state:
+        restore_rng(saved["rng"])
+    return state
+
+
+__all__ = ["COMPLETE", "CheckpointError", "CheckpointManager", "CorruptCheckpointError", "IncompleteCheckpointError",
+           "LATEST", "atomic_dir", "capture_rng", "find_latest", "list_checkpoints", "load_trainer_state",
+           "mark_complete", "restore_rng", "save_trainer_state", "step_dir_name", "verify"]

@@ -1,0 +1,586 @@
+"""The learner: one data-parallel rank of policy-gradient training (`Learner`); N ranks as Ray actors (`LearnerGroup`).
+
+One `train_step(trajectories)` is one optimizer step:
+
+1. advantages per group with the configured algorithm (`Algorithm.batch_advantages`; every
+   trajectory needs a `group_id`);
+2. each trajectory becomes one sequence: inputs `tokens[:-1]`, targets `tokens[1:]`, trained
+   where `loss_mask[1:]` is 1; sequences are packed whole into right-padded micro-batches whose
+   padded size B·T stays within `micro_batch_tokens`, longest first (`rl/batching.py`);
+3. the loss-mask token and sequence counts are all-reduced first, so every micro-batch of every
+   rank divides by the global counts (`rl/algos/base.py`); each micro-batch runs forward, the
+   algorithm's loss and backward; gradients accumulate;
+4. gradients are summed across ranks (`rl/parallel.py`), then a NaN/inf guard: if a loss or a
+   gradient is non-finite on any rank, every rank skips the optimizer step (weights, optimizer
+   state, router biases and `version` unchanged) and the metrics say why;
+5. gradient clipping, the optimizer step (AdamW; `torch.optim.Muon` for hidden matrices when
+   `optimizer: muon`), then router-bias balancing for MoE models (statistics reduced over ranks).
+
+Log-probabilities never go through full logits: the model returns hidden states and
+`rl.logprobs.selected_logprobs` scores the loss-mask rows only, in chunks. A model whose forward
+takes `return_hidden_states` (K3) returns the pre-norm h_final and the learner applies
+`model.model.norm`; any other HF causal LM is called with `output_hidden_states=True`, whose
+last entry is already normed (Llama/Qwen family). `logits_to_keep=1` keeps the LM head's own
+output to one position. Logits with soft-capping or an LM-head bias are refused.
+
+One optimizer step per call, with π_old = the current weights (`old_logprobs =
+logprobs.detach()`): the PPO ratio is 1 at the step and clipping acts through later reuse of
+stale data only; the behaviour policy enters through truncated IS. Dropout is switched off
+(every `*dropout*`/`*_pdrop` config value set to 0) so that the policy is compared with itself.
+
+MoE models (K3): routed-expert replay (R3) passes `Trajectory.routed_experts` to the model
+when `routing_replay` is on; tokens without a recorded routing (-1: prompt, tool output, the
+last sampled token) are routed by the learner's router and padding is kept out of the
+balancing statistics (`rl/routing.py`). After each step `model.moe.balance_routers` updates
+the router biases from the step's statistics and reports MaxVio per MoE layer.
+
+Checkpoints (`save`, `save_into`, `load`): a Hugging Face directory (`save_pretrained`,
+safetensors, the tokenizer when the model directory has one) plus `optimizer.pt` (optimizer
+states, `version`; rank 0) and `rng-rank{r}.pt` (each rank's RNG states). `save` is atomic on
+its own (`rl.checkpoint.atomic_dir`); the trainer writes the learner and its own state into one
+`CheckpointManager.begin(step)` directory with `save_into` and `save_trainer_state`.
+
+How the trainer drives it (driver process; `LearnerGroup` has the same methods as `Learner`):
+
+    group = LearnerGroup(LearnerConfig.from_job(job, model_dir), num_ranks=job.rl.num_learners)
+    metrics = group.train_step(batch)                      # one optimizer step, global metrics
+    weights, version = group.named_weights(), group.version   # → Engine.load_weights on every worker
+    with CheckpointManager(run_dir / "checkpoints", keep=3).begin(step) as tmp:
+        group.save_into(tmp)
+        save_trainer_state(tmp, {"step": step, "cursor": ..., "unconsumed": trajectories})
+    # resume: path = find_latest(run_dir / "checkpoints"); group.load(path); load_trainer_state(path)
+
+Shapes: B sequences of a micro-batch, T its padded length, N loss-mask tokens of the micro-batch,
+L MoE layers, k experts per token, d hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from rl import checkpoint as ckpt
+from rl import parallel
+from rl.algos import get_algo
+from rl.algos.base import Algorithm, LossInputs
+from rl.batching import MicroBatch, collate, pack_micro_batches, to_train_sequence
+from rl.logprobs import selected_logprobs
+from rl.routing import RoutingControl
+
+OPTIMIZER_FILE = "optimizer.pt"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class LearnerConfig:
+    """Everything one learner rank needs (OmegaConf-compatible field types)."""
+
+    model_path: str = ""
+    """Hugging Face directory of the initial policy (K3 or any HF causal LM)."""
+    algo: str = "grpo"
+    """Name of an algorithm in `rl/algos/`."""
+    algo_args: dict[str, Any] = field(default_factory=dict)
+    """Settings of that algorithm (clip bounds, KL, TIS, …)."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    """Decoupled weight decay, on matrices (≥ 2-D) only; norms, biases and 1-D parameters get none."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    optimizer: str = "adamw"
+    """`adamw`, or `muon`: torch.optim.Muon on the 2-D hidden matrices (not embeddings, LM head, or
+    [1, d] vectors) with `adjust_lr_fn="match_rms_adamw"` so `lr` means the same, AdamW on the rest."""
+    muon_momentum: float = 0.95
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping; the norm is reported either way)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (B·T) per micro-batch; a longer sequence gets a micro-batch of its own."""
+    logprob_chunk_size: int = 1024
+    """Loss-mask rows per chunk of the LM head (peak extra memory ≈ chunk × V × 4 bytes)."""
+    compute_entropy: bool = False
+    """Also report the policy entropy on loss-mask tokens (one more pass over each chunk)."""
+    routing_replay: bool = True
+    """R3: replay `Trajectory.routed_experts` on MoE models that accept `routed_expert_ids`."""
+    ref_model_path: Optional[str] = None
+    """Reference policy for the KL term (algo_args.kl_coef > 0); null: `model_path`."""
+    gradient_checkpointing: bool = False
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
+    parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
+    device: str = "cpu"
+    """`cpu`, `cuda` (the GPU Ray gives the actor), or `cuda:<i>`."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer: {self.optimizer!r} is not one of adamw, muon")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.micro_batch_tokens < 1 or self.logprob_chunk_size < 1:
+            raise ValueError("micro_batch_tokens and logprob_chunk_size must be ≥ 1")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm: must be ≥ 0, got {self.max_grad_norm}")
+
+    @classmethod
+    def from_job(cls, job: Any, model_path: str | Path, **overrides: Any) -> "LearnerConfig":
+        """From a `JobConfig` (the fields its `rl:` and `run:` sections have), explicit overrides on top."""
+        rl = job.rl
+        values = dict(model_path=str(model_path), algo=rl.algo, algo_args=dict(rl.algo_args), lr=rl.lr,
+                      weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, seed=job.run.seed,
+                      device=job.run.device)
+        return cls(**{**values, **overrides})
+
+
+def compute_advantages(algo: Algorithm, trajectories: Sequence[Any]) -> np.ndarray:
+    """Sequence advantages [B] (float32) from each trajectory's reward, per `group_id`."""
+    if not trajectories:
+        return np.zeros(0, dtype=np.float32)
+    missing = [i for i, t in enumerate(trajectories) if not t.group_id]
+    if missing:
+        raise ValueError(f"trajectories {missing[:5]} have no group_id; group-relative advantages need one "
+                         f"(the trainer sets it to the task's sample group)")
+    rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)  # [B]
+    return algo.batch_advantages(rewards, [t.group_id for t in trajectories]).float().numpy()
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """An HF causal LM (K3 included) from `path`, dropout off, in `dtype` on `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
+    if json.loads(config_file.read_text()).get("model_type") not in CONFIG_MAPPING:
+        import model.modeling  # noqa: F401  (registers k3rl's own model types with the Auto classes)
+    config = AutoConfig.from_pretrained(path)
+    for name, value in list(config.to_dict().items()):
+        if (name.endswith("dropout") or name.endswith("_pdrop")) and isinstance(value, float):
+            setattr(config, name, 0.0)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
+
+
+class Learner:
+    """One data-parallel rank: policy, optimizer, `train_step`, weights for sync, checkpoints.
+
+    Under torch.distributed (initialised by the caller, e.g. `LearnerGroup`) every rank must call
+    `train_step` together, each with its own share of the batch (possibly empty).
+    """
+
+    def __init__(self, cfg: LearnerConfig, group: Optional[torch.distributed.ProcessGroup] = None):
+        self.cfg = cfg
+        self.group = group
+        self.rank = parallel.get_rank(group)
+        self.world_size = parallel.get_world_size(group)
+        self.device = torch.device(cfg.device)
+        self.algo = get_algo(cfg.algo, **dict(cfg.algo_args))
+        self.model = load_policy(cfg.model_path, DTYPES[cfg.dtype], self.device)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self._check_head()
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._native_hidden = "return_hidden_states" in forward_args
+        self._keep_arg = "logits_to_keep" in forward_args
+        self._routing = RoutingControl(self.model)
+        self._replay = bool(cfg.routing_replay and self._routing and "routed_expert_ids" in forward_args)
+        self.ref_model = None
+        if getattr(self.algo.cfg, "kl_coef", 0.0) > 0:
+            self.ref_model = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device).eval()
+            self.ref_model.requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizers = self._build_optimizers()
+        self.version = 0
+        self.tokenizer_path = Path(cfg.model_path)
+
+    def _check_head(self) -> None:
+        head = self.model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("the LM head has a bias, which selected_logprobs does not model")
+        if getattr(self.model.config, "final_logit_softcapping", None):
+            raise ValueError("final_logit_softcapping is not supported by the chunked log-prob path")
+
+    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
+        cfg = self.cfg
+        head = {id(self.model.get_output_embeddings().weight), id(self.model.get_input_embeddings().weight)}
+        muon, decay, no_decay = [], [], []
+        for p in self.params:
+            hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and id(p) not in head
+            if cfg.optimizer == "muon" and hidden_matrix:
+                muon.append(p)
+            elif p.ndim >= 2:
+                decay.append(p)
+            else:
+                no_decay.append(p)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                                        betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)]
+        if muon:
+            if not hasattr(torch.optim, "Muon"):
+                raise RuntimeError(f"optimizer: muon needs torch.optim.Muon, which torch {torch.__version__} "
+                                   f"does not have; use optimizer: adamw")
+            optimizers.append(torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                               momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw"))
+        return optimizers
+
+    @property
+    def routing_shape(self) -> Optional[tuple[int, int]]:
+        """(L, k) of the model's routing, or None for dense models."""
+        return (len(self._routing.routers), self._routing.top_k) if self._routing else None
+
+    @property
+    def _replay_shape(self) -> Optional[tuple[int, int]]:
+        return self.routing_shape if self._replay else None
+
+    def logprobs(self, model: nn.Module, mb: MicroBatch, replay: bool,
+                 entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """log π(target) [N] (and entropy [N]) on the loss-mask positions of a micro-batch."""
+        lm_scale = float(getattr(model.config, "logit_scale", None) or 1.0)
+        keep = {"logits_to_keep": 1} if self._keep_arg else {}
+        if self._native_hidden:
+            routed = mb.routed if replay else None
+            out = model(mb.input_ids, routed_expert_ids=routed, return_hidden_states=True, **keep)
+            hidden = model.model.norm(out.hidden_states[mb.loss_mask])  # [N, d]
+        else:
+            out = model(input_ids=mb.input_ids, attention_mask=mb.valid.long(), output_hidden_states=True,
+                        use_cache=False, **keep)
+            hidden = out.hidden_states[-1][mb.loss_mask]  # [N, d], already normed
+        weight = model.get_output_embeddings().weight  # [V, d]
+        result = selected_logprobs(hidden, weight, mb.targets, self.cfg.logprob_chunk_size, lm_scale,
+                                   return_entropy=entropy)
+        return result if entropy else (result, None)
+
+    @torch.no_grad()
+    def score(self, trajectories: Sequence[Any]) -> list[np.ndarray]:
+        """log π(token) of each trajectory's loss-mask tokens (after the first) under the current
+        weights, [n_i] float64 each, in trajectory order; routing replayed as in training, and not
+        counted in the router-balancing statistics."""
+        prepared = [to_train_sequence(t, 0.0) for t in trajectories]
+        out = [np.zeros(0) for _ in trajectories]
+        live = [i for i, s in enumerate(prepared) if s is not None]
+        collect = [r.collect_stats for r in self._routing.routers]
+        for r in self._routing.routers:
+            r.collect_stats = False
+        try:
+            for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens):
+                mb = collate([prepared[live[j]] for j in idx], self.device, self._replay_shape)
+                with self._routing.batch(mb.valid) if self._routing else nullcontext():
+                    logp, _ = self.logprobs(self.model, mb, self._replay and mb.routed is not None)
+                per_seq = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
+                for j, part in zip(idx, logp.double().cpu().split(per_seq)):
+                    out[live[j]] = part.numpy()
+        finally:
+            for r, c in zip(self._routing.routers, collect):
+                r.collect_stats = c
+        return out
+
+    def _micro_batch(self, mb: MicroBatch, n_tokens: float, n_seqs: float) -> tuple[torch.Tensor, dict]:
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = self.logprobs(self.ref_model, mb, replay=False)
+        with self._routing.batch(mb.valid) if self._routing else nullcontext():
+            logp, entropy = self.logprobs(self.model, mb, self._replay and mb.routed is not None,
+                                          entropy=self.cfg.compute_entropy)
+            inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
+                                behaviour_logprobs=mb.behaviour.to(logp.dtype), advantages=mb.advantages.to(logp.dtype),
+                                seq_ids=mb.seq_ids, num_seqs=mb.num_seqs, num_tokens_global=n_tokens,
+                                num_seqs_global=n_seqs, ref_logprobs=ref)
+            loss, metrics = self.algo.loss(inputs)
+            loss.backward()
+        if entropy is not None:
+            metrics["entropy"] = entropy.detach().sum() / n_tokens
+        return loss.detach(), metrics
+
+    def train_step(self, trajectories: Sequence[Any], advantages: Optional[Sequence[float]] = None) -> dict[str, Any]:
+        """One optimizer step on this rank's share of the batch; returns global metrics (same on every rank).
+
+        `advantages` [B] (one per trajectory) are computed here when not given (`LearnerGroup`
+        computes them on the driver so that a group may be split across ranks).
+
+        Metrics: the algorithm's (`loss`, `clip_frac`, `tis_weight`, `tis_capped_frac`,
+        `mismatch_kl`, `kl_ref`, …, each a global-batch mean), `entropy` when configured,
+        `grad_norm` (before clipping), `grad_clipped`, `skipped` (0/1) with `skip_reason` (``,
+        `nonfinite_loss`, `nonfinite_grad` or `empty_batch`), `version`, `lr`, the global counts
+        `num_loss_tokens`, `num_seqs`, `num_tokens`, this rank's `micro_batches`, `step_time_s`,
+        `train_tokens_per_s`, and for MoE models `maxvio/<MoE module>` and `maxvio_max`.
+        """
+        start = time.perf_counter()
+        if advantages is None:
+            advantages = compute_advantages(self.algo, trajectories)
+        if len(advantages) != len(trajectories):
+            raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
+        seqs = [s for s in (to_train_sequence(t, a) for t, a in zip(trajectories, advantages)) if s is not None]
+        counts = torch.tensor([sum(int(s.mask.sum()) for s in seqs), len(seqs), sum(len(s.inputs) for s in seqs)],
+                              dtype=torch.float64, device=self.device)
+        n_tokens, n_seqs, n_inputs = parallel.all_reduce(counts, "sum", self.group).tolist()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._clear_router_stats()
+        if n_seqs == 0:
+            return self._finish(start, {}, skipped="empty_batch", n=(0, 0, 0), micro_batches=0)
+
+        sums: dict[str, torch.Tensor] = {}
+        bad_loss = False
+        batches = pack_micro_batches([len(s.inputs) for s in seqs], self.cfg.micro_batch_tokens)
+        for idx in batches:
+            mb = collate([seqs[i] for i in idx], self.device, self._replay_shape)
+            loss, metrics = self._micro_batch(mb, n_tokens, n_seqs)
+            bad_loss |= not bool(torch.isfinite(loss))
+            for k, v in metrics.items():
+                sums[k] = sums[k] + v.double() if k in sums else v.double()
+        keys = parallel.union_keys(sums, self.group)
+        totals = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64)).to(self.device) for k in keys]
+                             ) if keys else torch.zeros(0, dtype=torch.float64, device=self.device)
+        parallel.all_reduce(totals, "sum", self.group)
+        parallel.all_reduce_grads(self.params, self.group)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        flags = torch.tensor([bad_loss, not bool(torch.isfinite(grad_norm))], dtype=torch.float64, device=self.device)
+        parallel.all_reduce(flags, "max", self.group)
+        metrics = {k: float(v) for k, v in zip(keys, totals.tolist())}
+        metrics["grad_norm"] = float(grad_norm)
+        skipped = "nonfinite_loss" if flags[0] else "nonfinite_grad" if flags[1] else ""
+        if not skipped:
+            if self.cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, grad_norm)
+            metrics["grad_clipped"] = float(0 < self.cfg.max_grad_norm < metrics["grad_norm"])
+            for opt in self.optimizers:
+                opt.step()
+            self.version += 1
+            metrics.update(self._balance_routers())
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return self._finish(start, metrics, skipped, (n_tokens, n_seqs, n_inputs), len(batches))
+
+    def _clear_router_stats(self) -> None:
+        for router in self._routing.routers:
+            router.clear_stats()
+
+    def _balance_routers(self) -> dict[str, float]:
+        if not self._routing:
+            return {}
+        from model.moe import balance_routers
+
+        maxvio = balance_routers(self.model, group=self.group)
+        out = {f"maxvio/{name}": v for name, v in maxvio.items()}
+        if maxvio:
+            out["maxvio_max"] = max(maxvio.values())
+        return out
+
+    def _finish(self, start: float, metrics: dict[str, Any], skipped: str, n: tuple, micro_batches: int) -> dict:
+        if skipped:
+            self._clear_router_stats()
+        elapsed = time.perf_counter() - start
+        metrics.update(skipped=float(bool(skipped)), skip_reason=skipped, version=self.version,
+                       lr=self.optimizers[0].param_groups[0]["lr"], num_loss_tokens=n[0], num_seqs=n[1],
+                       num_tokens=n[2], micro_batches=micro_batches, step_time_s=elapsed,
+                       train_tokens_per_s=n[2] / elapsed if elapsed > 0 else 0.0)
+        return metrics
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the state dict (buffers such as router biases and `lm_head.weight` included),
+        as CPU copies under checkpoint names: what `Engine.load_weights` takes."""
+        return [(name, t.detach().to("cpu", copy=True)) for name, t in self.model.state_dict().items()]
+
+    def save_into(self, directory: str | Path) -> None:
+        """Write this rank's part of a checkpoint into `directory` (rank 0: model, tokenizer, optimizer;
+        every rank: its RNG states). Not atomic by itself: see `save` and `CheckpointManager.begin`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.model.save_pretrained(directory, safe_serialization=True)
+            self._save_tokenizer(directory)
+            torch.save({"version": self.version, "optimizers": [o.state_dict() for o in self.optimizers],
+                        "world_size": self.world_size, "optimizer": self.cfg.optimizer},
+                       directory / OPTIMIZER_FILE)
+        torch.save(ckpt.capture_rng(), directory / f"rng-rank{self.rank:05d}.pt")
+
+    def _save_tokenizer(self, directory: Path) -> None:
+        if not (self.tokenizer_path / "tokenizer_config.json").is_file():
+            return
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(directory)
+
+    def save(self, path: str | Path) -> None:
+        """An atomic single-rank checkpoint at `path` (replacing one that is there)."""
+        if self.world_size > 1:
+            raise RuntimeError("Learner.save is for one rank; use LearnerGroup.save or save_into on every rank")
+        with ckpt.atomic_dir(path, version=self.version) as tmp:
+            self.save_into(tmp)
+
+    def load(self, path: str | Path) -> None:
+        """Restore weights, optimizer states, `version` and this rank's RNG states from a complete checkpoint."""
+        path = Path(path)
+        ckpt.verify(path)
+        opt_file = path / OPTIMIZER_FILE
+        if not opt_file.is_file():
+            raise ckpt.IncompleteCheckpointError(f"{path}: no {OPTIMIZER_FILE} (not a learner checkpoint)")
+        from safetensors.torch import load_file
+
+        try:
+            weights = {}
+            for file in sorted(path.glob("*.safetensors")):
+                weights.update(load_file(file))
+            state = torch.load(opt_file, map_location=self.device, weights_only=False)
+        except Exception as e:  # truncated or foreign files: name the checkpoint
+            raise ckpt.CorruptCheckpointError(f"{path}: cannot read the learner state ({type(e).__name__}: {e})") from e
+        model_state = self.model.state_dict()
+        # tied tensors (e.g. lm_head.weight = embed_tokens.weight) are saved once, under one name
+        shared: dict[int, set[str]] = {}
+        for name, t in model_state.items():
+            shared.setdefault(t.data_ptr(), set()).add(name)
+        missing = sorted(n for n, t in model_state.items() if not shared[t.data_ptr()] & weights.keys())
+        unknown = sorted(set(weights) - set(model_state))
+        if missing or unknown:
+            raise ckpt.CorruptCheckpointError(f"{path}: does not match this model: missing {missing[:5]}, "
+                                              f"unknown {unknown[:5]}")
+        with torch.no_grad():
+            for name, t in weights.items():
+                model_state[name].copy_(t)
+        if state.get("optimizer") != self.cfg.optimizer or len(state["optimizers"]) != len(self.optimizers):
+            raise ckpt.CheckpointError(f"{path}: saved with optimizer {state.get('optimizer')!r}, this learner "
+                                       f"uses {self.cfg.optimizer!r}")
+        for opt, sd in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(sd)
+        self.version = int(state["version"])
+        rng_file = path / f"rng-rank{self.rank:05d}.pt"
+        if rng_file.is_file():
+            ckpt.restore_rng(torch.load(rng_file, weights_only=False))
+        else:
+            # more ranks than when saved: a fresh, distinct stream per rank and version
+            torch.manual_seed(self.cfg.seed + self.rank + 1_000_003 * self.version)
+
+
+class LearnerWorker:
+    """The Ray actor body of one `LearnerGroup` rank: joins the process group, then owns a `Learner`."""
+
+    def __init__(self, num_threads: int = 1):
+        torch.set_num_threads(max(1, num_threads))
+        self.learner: Optional[Learner] = None
+
+    def address(self) -> tuple[str, int]:
+        return parallel.node_address(), parallel.free_port()
+
+    def setup(self, cfg: LearnerConfig, rank: int, world_size: int, master_addr: str, master_port: int,
+              backend: str) -> None:
+        # this process is the rank's own: seed it (the Learner itself leaves a caller's RNG alone)
+        torch.manual_seed(cfg.seed + rank)
+        if cfg.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(cfg.device).index or 0)
+        if world_size > 1:
+            parallel.init_process_group(rank, world_size, master_addr, master_port, backend)
+        self.learner = Learner(cfg)
+
+    def train_step(self, trajectories: list, advantages: list[float]) -> dict[str, Any]:
+        return self.learner.train_step(trajectories, advantages)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return self.learner.named_weights()
+
+    def save_into(self, directory: str) -> None:
+        self.learner.save_into(directory)
+
+    def load(self, path: str) -> int:
+        self.learner.load(path)
+        return self.learner.version
+
+    def version(self) -> int:
+        return self.learner.version
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class LearnerGroup:
+    """`num_ranks` Learner ranks as Ray actors in one placement group, data-parallel over torch.distributed.
+
+    Bundles are `{CPU: num_cpus_per_rank, GPU: num_gpus_per_rank}`; `strategy` STRICT_PACK keeps
+    CPU ranks on one node, PACK/SPREAD let GPU ranks span nodes. Rank 0 picks the rendezvous
+    address and a free port on its node. `train_step` computes advantages on the driver, splits
+    the trajectories across ranks balanced by tokens (groups may be split: advantages are known)
+    and returns rank 0's metrics, which are global. Checkpoint paths must be visible to the
+    driver and every rank (one node, or a shared filesystem).
+    """
+
+    def __init__(self, cfg: LearnerConfig, num_ranks: int = 1, num_cpus_per_rank: float = 1.0,
+                 num_gpus_per_rank: float = 0.0, strategy: str = "STRICT_PACK", backend: Optional[str] = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg, self.num_ranks = cfg, num_ranks
+        self.algo = get_algo(cfg.algo, **dict(cfg.algo_args))
+        bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+        self.placement_group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
+        ray.get(self.placement_group.ready())
+        actor = ray.remote(LearnerWorker)
+        self.actors = [
+            actor.options(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i)
+                          ).remote(max(1, int(num_cpus_per_rank)))
+            for i in range(num_ranks)]
+        addr, port = ray.get(self.actors[0].address.remote())
+        backend = backend or parallel.default_backend(cfg.device)
+        ray.get([a.setup.remote(cfg, r, num_ranks, addr, port, backend) for r, a in enumerate(self.actors)])
+
+    def train_step(self, trajectories: Sequence[Any]) -> dict[str, Any]:
+        import ray
+
+        advantages = compute_advantages(self.algo, trajectories)
+        parts = parallel.split_balanced([len(t.tokens) for t in trajectories], self.num_ranks)
+        results = ray.get([a.train_step.remote([trajectories[i] for i in part], [float(advantages[i]) for i in part])
+                           for a, part in zip(self.actors, parts)])
+        return {**results[0], "num_ranks": self.num_ranks}
+
+    def named_weights(self, rank: int = 0) -> list[tuple[str, torch.Tensor]]:
+        import ray
+
+        return ray.get(self.actors[rank].named_weights.remote())
+
+    @property
+    def version(self) -> int:
+        import ray
+
+        return ray.get(self.actors[0].version.remote())
+
+    def save_into(self, directory: str | Path) -> None:
+        import ray
+
+        ray.get([a.save_into.remote(str(directory)) for a in self.actors])
+
+    def save(self, path: str | Path) -> None:
+        """An atomic learner checkpoint at `path` (the trainer uses save_into inside CheckpointManager.begin)."""
+        with ckpt.atomic_dir(path) as tmp:
+            self.save_into(tmp)
+
+    def load(self, path: str | Path) -> int:
+        """Every rank loads the checkpoint; returns the restored version."""
+        import ray
+
+        versions = ray.get([a.load.remote(str(path)) for a in self.actors])
+        return versions[0]
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        ray.get([a.shutdown.remote() for a in self.actors])
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.placement_group)
+
+
+__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker", "compute_advantages", "load_policy"]

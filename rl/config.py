@@ -85,6 +85,38 @@ class RLConfig:
     eval_every: int = 10
     save_every: int = 10
     resume: bool = False
+    model_path: Optional[str] = None
+    """Hugging Face directory of the initial policy (`k3rl init`, an SFT output, any HF causal LM)."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment (`envs.make(rl.env, **env_args)`), e.g. `corpus: null`."""
+    tasks_path: Optional[str] = None
+    """JSONL file of training tasks (one JSON task per line); null: `env.tasks(num_tasks, seed=run.seed)`."""
+    num_tasks: int = 256
+    """Training tasks drawn from the environment when `tasks_path` is null."""
+    eval_tasks_path: Optional[str] = None
+    """JSONL file of held-out tasks; null: `env.tasks(eval_tasks, seed=eval_seed)`."""
+    eval_tasks: int = 32
+    """Held-out tasks drawn from the environment when `eval_tasks_path` is null."""
+    eval_seed: int = 1_000_003
+    """Seed of the held-out tasks (distinct from run.seed); tasks equal to a training task are removed."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of evaluation (0: greedy)."""
+    success_key: str = "em"
+    """Reward component (`Trajectory.rewards`) that marks success when ≥ 1; without it, reward ≥ 1."""
+    max_context_tokens: int = 4096
+    """Longest episode (prompt + every turn) in tokens."""
+    rollout_num_cpus: float = 1.0
+    """Ray CPUs per rollout worker."""
+    rollout_num_gpus: float = 0.0
+    """Ray GPUs per rollout worker (run.device=cuda)."""
+    learner_num_cpus: float = 1.0
+    """Ray CPUs per learner rank."""
+    learner_num_gpus: float = 0.0
+    """Ray GPUs per learner rank (run.device=cuda)."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept in `<run_dir>/checkpoints` (older ones are deleted)."""
+    max_worker_restarts: int = 10
+    """Rollout actors replaced after dying, over the whole run, before the run gives up."""
 
 
 @dataclass

@@ -64,15 +64,28 @@ class RolloutWorker:
         self.started = time.time()
         self.episodes = 0
 
-    def collect(self, tasks: list[tuple[str, Any]], n_per_task: int, group_prefix: str = "") -> list:
-        """Run `n_per_task` episodes of each (task_id, task); trajectories of a task share a group id."""
+    def collect(self, tasks: list[tuple[str, Any]], n_per_task: int, group_prefix: str = "",
+                sampling: SamplingParams | None = None) -> list:
+        """Run `n_per_task` episodes of each (task_id, task); trajectories of a task share a group id.
+        `sampling` overrides the worker's sampling for this call (e.g. greedy evaluation)."""
         from rollout.agent_loop import EpisodeRequest
 
         requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
                     for task_id, task in tasks for j in range(n_per_task)]
-        trajectories = self.loop.run(requests)
+        default = self.loop.params
+        self.loop.params = sampling or default
+        try:
+            trajectories = self.loop.run(requests)
+        finally:
+            self.loop.params = default
         self.episodes += len(trajectories)
         return trajectories
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (None outside Ray)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def load_weights(self, named_tensors: Iterable, version: int) -> int:
         self.engine.load_weights(named_tensors, version)

@@ -30,7 +30,8 @@ def rel(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused(shape, linear_beta, dtype, nan_poison):
     gen = torch.Generator().manual_seed(hash((shape, linear_beta)) % 2**31)
-    g, u, dy = (torch.randn(shape, generator=gen, dtype=torch.float64) * 6 for _ in range(3))
+    # inputs representable in `dtype`, so the reference sees exactly what the kernel sees
+    g, u, dy = (torch.randn(shape, generator=gen, dtype=torch.float64).mul(6).to(dtype).double() for _ in range(3))
     g64, u64 = g.clone().requires_grad_(), u.clone().requires_grad_()
     ref = naive_situ_glu(g64, u64, 4.0, linear_beta)
     ref.backward(dy)

@@ -91,10 +91,21 @@ class AgentLoop:
             outs = {}
             t0 = time.perf_counter()
             for room, idx in by_room.items():
-                params = SamplingParams(n=1, temperature=self.params.temperature, top_p=self.params.top_p,
-                                        max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
-                                        stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
-                outs.update(zip(idx, self.engine.generate([builders[i].tokens() for i in idx], params)))
+                # Episodes whose contexts are identical (a task's group, in its first turn) are asked as
+                # one prompt with n samples, so the engine prefills that prompt once.
+                same: dict[tuple[int, ...], list[int]] = {}
+                for i in idx:
+                    same.setdefault(tuple(builders[i].tokens()), []).append(i)
+                by_n: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
+                for prompt, members in same.items():
+                    by_n.setdefault(len(members), []).append((prompt, members))
+                for n, prompts in by_n.items():
+                    params = SamplingParams(n=n, temperature=self.params.temperature, top_p=self.params.top_p,
+                                            max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
+                                            stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
+                    results = self.engine.generate([list(p) for p, _ in prompts], params)
+                    for (_, members), samples in zip(prompts, results):
+                        outs.update((i, [c]) for i, c in zip(members, samples))
             self.stats.generate_seconds += time.perf_counter() - t0
             self.stats.rounds += 1
             self.stats.per_round_batch.append(len(active))

@@ -138,3 +138,24 @@ def test_context_budget_truncates(tokenizer):
     assert traj.prompt_len < 500 and len(traj.turn_spans) >= 2
     assert traj.finish_reason == "truncated:context" and len(traj) <= 900
     assert traj.reward == 0.0
+
+
+def test_group_first_turn_is_one_prompt_with_n_samples(tiny_qwen3_dir, tokenizer):
+    from rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine.from_pretrained(tiny_qwen3_dir, seed=0)
+    calls = []
+    generate = engine.generate
+
+    def recording(prompts, params):
+        calls.append((len(prompts), params.n))
+        return generate(prompts, params)
+
+    engine.generate = recording
+    loop = AgentLoop(engine, tokenizer, Calc, SamplingParams(max_tokens=8, seed=0), env_name="calc")
+    trajs = loop.run([EpisodeRequest({"a": 1, "b": 2}, "t0", "g0", j) for j in range(3)]
+                     + [EpisodeRequest({"a": 5, "b": 5}, "t1", "g1", j) for j in range(3)])
+    assert calls[0] == (2, 3)  # two distinct prompts, three samples each, in one call
+    assert len(trajs) == 6 and all(t.num_sampled > 0 for t in trajs)
+    firsts = [t.tokens[t.turn_spans[0][0]:t.turn_spans[0][1]].tolist() for t in trajs[:3]]
+    assert len({tuple(f) for f in firsts}) > 1  # the samples of a group differ

@@ -31,7 +31,7 @@ from rollout.engine import Completion, SamplingParams
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of logits [B, V]; return (tokens [B], raw logprobs of them [B])."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     raw = torch.log_softmax(logits, dim=-1)  # [B, V]
     if temperature == 0:
         tokens = logits.argmax(dim=-1)

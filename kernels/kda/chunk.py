@@ -135,7 +135,7 @@ def _chunk_segment(q, k, v, g, beta, h, varlen=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = T // CHUNK_SIZE
-    # q and k of each sub-chunk stacked on one axis, so every decay below is applied to both in one pass
+    # q and k of each sub-chunk stacked on one axis: the intra-chunk rows decay both in one pass
     qk = q.new_empty(N, B, H, N_SUB, 2, SUB_CHUNK, K)  # [N, B, H, 4, 2, 16, K]
     for j, x in enumerate((q, k)):
         qk[..., j, :, :].copy_(x.unflatten(1, (N, N_SUB, SUB_CHUNK)).permute(1, 0, 4, 2, 3, 5))
@@ -146,7 +146,8 @@ def _chunk_segment(q, k, v, g, beta, h, varlen=None):
     ones = torch.ones(SUB_CHUNK, SUB_CHUNK, dtype=q.dtype, device=q.device).tril()
     gl = ones @ g.unflatten(3, (N_SUB, SUB_CHUNK))  # [N, B, H, 4, 16, K] Γ_t − Γ(start of its sub-chunk)
     tot = gl[..., -1, :]  # [N, B, H, 4, K] log decay over each sub-chunk
-    bound = torch.cat([torch.zeros_like(tot[..., :1, :]), tot.cumsum(-2)], dim=-2)  # [N, B, H, 5, K] Γ at sub-chunk edges
+    # Γ at the sub-chunk edges (chunk-relative): 0, Γ(end of sub-chunk 0), ..., Γ_C
+    bound = torch.cat([torch.zeros_like(tot[..., :1, :]), tot.cumsum(-2)], dim=-2)  # [N, B, H, 5, K]
     k_out = k * _decay(tot.unsqueeze(-2) - gl)  # [N, B, H, 4, 16, K] k_j e^{Γ(sub end) − Γ_j} ≤ k_j
 
     a_qk, a_kk = _intra_chunk(qk, gl, k_out, bound)  # [N, B, H, 64, 64] each
@@ -155,7 +156,8 @@ def _chunk_segment(q, k, v, g, beta, h, varlen=None):
     # [u | w] = (I + Akk)⁻¹ Diag(β) [V | Ke^Γ]; β scales the inverse's columns (64 per row, not V+K)
     uw = (_unit_lower_inverse(a_kk * beta) * beta.transpose(-1, -2)) @ rhs  # [N, B, H, 64, V+K]
     u, w = uw[..., :V], uw[..., V:]  # [N, B, H, 64, V], [N, B, H, 64, K]
-    k_dec = k_out * _decay(bound[..., -1:, :] - bound[..., 1:, :]).unsqueeze(-2)  # [N, B, H, 4, 16, K] k_j e^{Γ_C − Γ_j}
+    # k_j e^{Γ_C − Γ_j}
+    k_dec = k_out * _decay(bound[..., -1:, :] - bound[..., 1:, :]).unsqueeze(-2)  # [N, B, H, 4, 16, K]
     k_dec_t = k_dec.flatten(3, 4).transpose(-1, -2)  # [N, B, H, K, 64]
     decay_c = _decay(bound[..., -1, :]).unsqueeze(-1)  # [N, B, H, K, 1] e^{Γ_C}
 
@@ -165,7 +167,8 @@ def _chunk_segment(q, k, v, g, beta, h, varlen=None):
         # chunks of all sequences on a [step, sequence] grid; the filler chunk (w = u = k = 0, decay 1) is a no-op
         grid = [_to_grid(x, fill, varlen) for x, fill in ((w, 0.0), (u, 0.0), (k_dec_t, 0.0), (decay_c, 1.0))]
         h, states, v_new = _state_pass(h, *grid)  # [steps, N, H, ·, V]
-        states, v_new = (x[varlen.chunk_step, varlen.chunk_seq].unsqueeze(1) for x in (states, v_new))  # [chunks, 1, H, ·, V]
+        back = (varlen.chunk_step.to(h.device), varlen.chunk_seq.to(h.device))
+        states, v_new = (x[back].unsqueeze(1) for x in (states, v_new))  # [chunks, 1, H, ·, V]
     q_dec = (e_in * qk[..., 0, :, :]).flatten(0, 2).flatten(1, 2)  # [N*B*H, 64, K] q e^{Γ_t}
     o = torch.baddbmm(a_qk.flatten(0, 2) @ v_new.flatten(0, 2), q_dec, states.flatten(0, 2))  # [N*B*H, 64, V]
     return o.view(N, B, H, CHUNK_SIZE, V).permute(1, 0, 3, 2, 4).reshape(B, T, H, V), h  # [B, T, H, V]
@@ -192,9 +195,10 @@ def _to_grid(x: torch.Tensor, fill: float, varlen: ChunkedVarlen) -> torch.Tenso
 def _intra_chunk(qk, gl, k_out, bound):
     """Aqk (j ≤ t) and Akk (j < t, before β) of every chunk, [N, B, H, 64, 64] each.
 
-    Row sub-chunk i is factored around its midpoint n_i: rows a_t e^{Γ_t − Γ_{n_i}}, columns k_j e^{Γ_{n_i} − Γ_j},
-    one matmul per row sub-chunk. The columns left of sub-chunk i have factors ≤ 1; the diagonal tile has
-    factors up to e^{span}. If any tile's span exceeds SAFE_SPAN, `_intra_chunk_safe` takes over."""
+    Row sub-chunk i is factored around its midpoint n_i: rows a_t e^{Γ_t − Γ_{n_i}}, columns
+    k_j e^{Γ_{n_i} − Γ_j}, one matmul per row sub-chunk. The columns left of sub-chunk i have factors ≤ 1,
+    the diagonal tile's are within e^{±span}. If any tile's span exceeds SAFE_SPAN, `_intra_chunk_safe`
+    takes over."""
     sub = SUB_CHUNK
     thr = SAFE_SPAN[gl.dtype]
     mid = gl[..., sub // 2, :]  # [N, B, H, 4, K] Γ_{n_i} − Γ(start of sub-chunk i)
@@ -212,8 +216,9 @@ def _intra_chunk(qk, gl, k_out, bound):
         cols = k_mid[..., i, :, :]  # [N, B, H, 16, K]
         if i > 0:
             # sub-chunks m < i: e^{Γ_{n_i} − Γ_j} = e^{mid_i + Γ(start i) − Γ(end m)} · e^{Γ(end m) − Γ_j}, both ≤ 1
-            scale_m = _decay(mid[..., i : i + 1, :] + bound[..., i : i + 1, :] - bound[..., 1 : i + 1, :])  # [N, B, H, i, K]
-            cols = torch.cat([(k_out[..., :i, :, :] * scale_m.unsqueeze(-2)).flatten(-3, -2), cols], dim=-2)  # [N, B, H, 16·(i+1), K]
+            scale_m = _decay(mid[..., i : i + 1, :] + bound[..., i : i + 1, :] - bound[..., 1 : i + 1, :])
+            left = (k_out[..., :i, :, :] * scale_m.unsqueeze(-2)).flatten(-3, -2)  # [N, B, H, 16·i, K]
+            cols = torch.cat([left, cols], dim=-2)  # [N, B, H, 16·(i+1), K]
         blk = rows[..., i, :, :] @ cols.transpose(-1, -2)  # [N, B, H, 32, 16·(i+1)]
         blk = torch.where(masks[i], blk, zero)
         if i < N_SUB - 1:
@@ -245,8 +250,9 @@ def _intra_chunk_safe(qk, gl, x, k_out, bound, unsafe):
         parts = []
         if i > 0:
             # columns of sub-chunks m < i decayed to the start of sub-chunk i: e^{Γ(start i) − Γ_j} ≤ 1
-            cols = k_out[..., :i, :, :] * _decay(bound[..., i : i + 1, :] - bound[..., 1 : i + 1, :]).unsqueeze(-2)  # [N, B, H, i, 16, K]
-            off = rows_in[..., i, :, :, :].flatten(-3, -2) @ cols.flatten(-3, -2).transpose(-1, -2)  # [N, B, H, 32, 16·i]
+            to_start = _decay(bound[..., i : i + 1, :] - bound[..., 1 : i + 1, :])  # [N, B, H, i, K]
+            cols = (k_out[..., :i, :, :] * to_start.unsqueeze(-2)).flatten(-3, -2)  # [N, B, H, 16·i, K]
+            off = rows_in[..., i, :, :, :].flatten(-3, -2) @ cols.transpose(-1, -2)  # [N, B, H, 32, 16·i]
             parts.append(off.unflatten(-2, (2, sub)))
         parts.append(diag[..., i, :, :, :])
         if i < N_SUB - 1:
@@ -282,7 +288,8 @@ def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     block forward substitution X_ij = −X_ii Σ_m a_im X_mj with matmuls."""
     sub = SUB_CHUNK
     eye = torch.eye(sub, dtype=a.dtype, device=a.device)
-    diag = torch.stack([a[..., i * sub : (i + 1) * sub, i * sub : (i + 1) * sub] for i in range(N_SUB)], dim=-3)  # [..., 4, 16, 16]
+    tiles = [a[..., i * sub : (i + 1) * sub, i * sub : (i + 1) * sub] for i in range(N_SUB)]
+    diag = torch.stack(tiles, dim=-3)  # [..., 4, 16, 16]
     inv_diag = torch.linalg.solve_triangular(diag + eye, eye.expand_as(diag), upper=False, unitriangular=True)
     inv = inv_diag[..., 0, :, :]  # [..., 16·i, 16·i] inverse of the leading block, grown below
     for i in range(1, N_SUB):

@@ -89,7 +89,7 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
             S.baddbmm_(kt.unsqueeze(2), u)
         outputs.append(torch.bmm(q[t], S))  # [B*H, 1, V]
     if T > 0:
-        o = torch.stack(outputs, dim=0).view(T, B, H, V).transpose(0, 1)  # [B, T, H, V]
+        o = torch.stack(outputs, dim=0).view(T, B, H, V).transpose(0, 1).contiguous()  # [B, T, H, V]
     else:
         o = v.new_zeros(B, 0, H, V)
     return o.to(out_dtype), (S.view(B, H, K, V) if output_final_state else None)

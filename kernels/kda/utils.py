@@ -135,8 +135,8 @@ class ChunkedVarlen:
 
     def pack(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
         """[1, ΣT, ...] packed -> [1, n_chunks·chunk, ...] flat and zero-padded; differentiable."""
-        out = x.new_zeros((1, self.n_chunks * chunk) + tuple(x.shape[2:]))
-        return out.index_put((torch.zeros_like(self.flat_pos), self.flat_pos.to(x.device)), x[0])
+        out = x.new_zeros((self.n_chunks * chunk,) + tuple(x.shape[2:]))
+        return out.index_put((self.flat_pos.to(x.device),), x[0]).unsqueeze(0)
 
     def unpack(self, y: torch.Tensor) -> torch.Tensor:
         """[1, n_chunks·chunk, ...] -> [1, ΣT, ...]."""

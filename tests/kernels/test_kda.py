@@ -136,7 +136,7 @@ def test_l2norm_in_kernel_and_scale(fn):
 
 
 def test_naive_matches_spec_formula():
-    """The reference itself, against S_t = (I − β k kᵀ) D S_{t−1} + β k vᵀ, o_t = S_tᵀ q K^{-1/2} (§5.3), written out."""
+    """The reference itself against §5.3 written out: S_t = (I − β k kᵀ) D S_{t−1} + β k vᵀ, o_t = S_tᵀ q K^{-1/2}."""
     q, k, v, g, beta = make_inputs(1, 5, 1, 4, 3, "softplus", seed=11)
     o, s = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
     S = torch.zeros(4, 3, dtype=F64)
@@ -378,5 +378,6 @@ def test_chunk_varlen_all_empty():
     q, k, v, g, beta = make_inputs(1, 0, 2, 8, 8, "bounded", seed=28)
     h0 = torch.randn(3, 2, 8, 8, dtype=F64)
     for fn in (chunk_kda, fused_recurrent_kda):
-        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=torch.zeros(4, dtype=torch.long))
+        cu = torch.zeros(4, dtype=torch.long)
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         assert o.shape == (1, 0, 2, 8) and torch.equal(s, h0)

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rl.cli:config_main", "print the fully resolved config of CONFIG [overrides…] as YAML"),
     "selfcheck": ("rl.selfcheck:main", "check the stack end to end: Ray actors, Triton kernels, vLLM vs transformers"),
     "train": ("rl.trainer:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
+    "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (TRL SFTTrainer)"),
     "params": ("model.cli:params_main", "params CONFIG [key=value…] [--json]: total and active parameters by component"),
     "init": ("model.cli:init_main", "init CONFIG OUT_DIR [key=value…]: random-init K3 model (+ tokenizer) as an HF dir"),
     "envs": ("envs.registry:main", "list the registered environments, one line each"),

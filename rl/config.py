@@ -154,6 +154,50 @@ class EvalConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised warm start on oracle demonstrations (`k3rl sft`). What a rollout allows comes from
+    the `rl:` section (`max_turns`, `max_new_tokens` per turn, `max_context_tokens`), so every
+    demonstration is one the rollouts that follow could have produced; longer ones are dropped."""
+
+    env: Optional[str] = None
+    """Registered environment whose oracle plays the demonstrations; null: `rl.env`."""
+    env_args: Optional[dict[str, Any]] = None
+    """Constructor arguments of that environment; null: `rl.env_args`."""
+    model_dir: Optional[str] = None
+    """Hugging Face model directory (with a chat-template tokenizer) to start from; null builds a
+    random model from the `model:` section (`k3rl init`) into the run directory's `init/`."""
+    num_tasks: int = 64
+    """Tasks played by the oracle (`env.tasks(num_tasks, seed=task_seed)`); the kept ones are the training set."""
+    task_seed: Optional[int] = None
+    """Seed of those tasks; null: `run.seed` (the tasks `k3rl train` draws)."""
+    min_reward: float = 1.0
+    """Demonstrations whose episode reward is below this are dropped."""
+    max_steps: int = 100
+    """Optimizer steps; 0 or less trains for `epochs` epochs instead."""
+    epochs: float = 1.0
+    batch_size: int = 1
+    """Demonstrations per micro-batch. On the CPU one per micro-batch is fastest: no padding, and
+    K3's MLA attention on the CPU builds [B, H, T, T] scores (batch 8 of 2.8K-token search
+    demonstrations ran ~3× slower per step than 8 micro-batches of 1)."""
+    grad_accum: int = 8
+    """Micro-batches per optimizer step (the update equals one batch of `batch_size × grad_accum`)."""
+    lr: float = 1e-3
+    lr_scheduler: str = "constant_with_warmup"
+    """A transformers scheduler name (`linear`, `cosine`, `constant_with_warmup`, …)."""
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, slower)."""
+    logprob_chunk_size: int = 1024
+    """Loss-token rows per LM-head chunk (`rl.logprobs.selected_logprobs`)."""
+    eval_tasks: int = 0
+    """Held-out tasks (`env.tasks(eval_tasks, seed=rl.eval_seed)` minus training tasks) rolled out
+    greedily after training: success (`rl.success_key`), well-formed tool calls; 0 skips."""
+
+
+@dataclass
 class JobConfig:
     """Every section a k3rl job can set; commands read the sections they need."""
 
@@ -163,6 +207,7 @@ class JobConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type = JobConfig) -> DictConfig:

@@ -31,7 +31,7 @@ def test_unknown_override_names_whole_key_and_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs/rl/quickstart.yaml", ["no.such.key=1"])
     assert "'no.such.key'" in str(e.value)
-    for section in ("run", "ray", "model", "rl", "pretrain", "eval"):
+    for section in ("run", "ray", "model", "rl", "pretrain", "eval", "sft"):
         assert section in str(e.value)
 
 

@@ -375,10 +375,10 @@ def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_k
     """Greedy rollouts (TorchEngine + AgentLoop) on `tasks`: success rate (`rewards[success_key] ≥ 1`,
     else reward ≥ 1, as `k3rl train` counts it) with its 95% Wilson interval, mean reward, and how
     many sampled turns are well-formed tool calls (parse to a tool the environment has)."""
-    from rl.metrics import wilson_interval
     import envs
     from envs.base import Budget
     from envs.tools import ToolCall, parse
+    from rl.metrics import wilson_interval
     from rollout.agent_loop import AgentLoop, EpisodeRequest
     from rollout.engine import SamplingParams
     from rollout.torch_engine import TorchEngine

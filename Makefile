@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements/lock-cpu.txt
 	@touch $(STAMP)
 
 run: env
-	$(BIN)/k3rl quickstart
+	$(BIN)/k3rl selfcheck
 
 test: env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -48,3 +48,14 @@ def test_help_and_config_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().endswith("LIGHT")
+
+
+def test_make_run_calls_a_real_command():
+    """`make run` is one of the README's two commands: the k3rl subcommand it calls must exist."""
+    import re
+
+    from rl.cli import COMMANDS
+
+    recipe = (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    called = re.findall(r"k3rl (\w+)", recipe)
+    assert called and all(c in COMMANDS for c in called), called

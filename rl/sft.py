@@ -26,9 +26,8 @@
      balancing statistics (`rl.routing.RoutingControl`) and their biases are balanced after
      every optimizer step (`model.moe.balance_routers`), as in the RL learner. Other HF models
      get the collator's attention mask.
-   On the CPU, one demonstration per micro-batch with gradient accumulation is the fast shape
-   (no padding; K3's MLA builds [B, H, T, T] scores), and subnormal floats are flushed to zero
-   (after a few updates they made tiny-K3 steps ~10× slower).
+   On the CPU, one demonstration per micro-batch with gradient accumulation is the default
+   shape: no padding, and K3's MLA builds [B, H, T, T] scores.
 3. Output, under `run.output_dir/run.name/`: `config.yaml`, `demos.json` (what was kept and
    why the rest was dropped), `init/` (the freshly initialised model when `sft.model_dir` is
    null), `tensorboard/`, `metrics.jsonl`, `loss.png`, and `model/` (HF model + tokenizer,
@@ -47,18 +46,11 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from rl.config import ConfigError, JobConfig, SFTConfig  # noqa: F401  (SFTConfig: the `sft:` section)
-
-
-SFTJobConfig = JobConfig
-
-
-
-# --- demonstrations ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -172,9 +164,6 @@ def demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwargs: dict
     report = collect_demonstrations(env_name, n, seed, tokenizer, env_kwargs, **kwargs)
     print(report.line(), flush=True)
     return Dataset.from_list(report.rows)
-
-
-# --- training ---------------------------------------------------------------------------------
 
 
 @functools.cache
@@ -366,9 +355,6 @@ def init_model(model_section: Any, target: str | Path, seed: int = 0) -> Path:
     return target
 
 
-# --- evaluation -------------------------------------------------------------------------------
-
-
 def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_kwargs: dict | None = None, *,
                     max_new_tokens: int = 128, max_turns: int | None = None, max_context_tokens: int = 4096,
                     success_key: str = "em", device: str = "cpu") -> dict[str, Any]:
@@ -413,9 +399,6 @@ def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_k
             "mean_reward": sum(t.reward for t in trajectories) / n,
             "first_turn_well_formed": first_ok / n, "turns_well_formed": turns_ok / max(1, turns),
             "mean_turns": turns / n, "seconds": seconds}
-
-
-# --- the job ----------------------------------------------------------------------------------
 
 
 def _resolved(cfg) -> tuple[str, dict[str, Any], int]:
@@ -468,21 +451,14 @@ def _tasks(env, env_name: str, n: int, seed: int) -> list[Any]:
 
 
 def run_sft(cfg) -> Path:
-    """Run one SFT job (a loaded `SFTJobConfig`, or a `JobConfig` with an `sft:` section); returns the
-    directory of the trained HF model."""
+    """Run one SFT job (a loaded `JobConfig`, whose `sft:` section drives it); returns the directory
+    of the trained HF model."""
     import envs
     from rl.config import to_yaml
 
     _check(cfg)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     sft, run, rl = cfg.sft, cfg.run, cfg.rl
-    if run.device == "cpu":
-        import torch
-
-        # After a few updates the tiny K3 produces subnormal floats (decays far below 1e-38), and CPU
-        # arithmetic on them is ~10x slower: SFT steps went from 7 s to 80 s. Flushing them to zero
-        # changes nothing measurable and keeps every step at the speed of the first ones.
-        torch.set_flush_denormal(True)
     env_name, env_kwargs, task_seed = _resolved(cfg)
     run_dir = Path(run.output_dir) / run.name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -579,8 +555,7 @@ def main(argv: list[str]) -> int:
     from rl.config import load_config
 
     args = config_parser("k3rl sft", "supervised warm start on oracle demonstrations (TRL SFTTrainer)").parse_args(argv)
-    schema = JobConfig
-    run_sft(load_config(args.config, args.overrides, schema))
+    run_sft(load_config(args.config, args.overrides, JobConfig))
     return 0
 
 

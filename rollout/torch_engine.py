@@ -63,7 +63,7 @@ class TorchEngine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                         **kwargs) -> "TorchEngine":
-        import model as _k3  # noqa: F401  (registers K3 with the Auto classes)
+        import model.modeling  # noqa: F401  (registers K3 with the Auto classes; `model` itself is lazy)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

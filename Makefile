@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements/lock-cpu.txt
 	@touch $(STAMP)
 
 run: env
-	$(BIN)/k3rl selfcheck
+	$(BIN)/k3rl quickstart
 
 test: env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

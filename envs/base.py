@@ -99,6 +99,9 @@ class Env:
 
     system_prompt: ClassVar[str] = ""
     """Text placed before the tool list in the system message."""
+    tool_prompt: str = "json"
+    """How the system message lists the tools: ``json`` schemas or ``compact`` signatures
+    (``envs.tools.render_tools_prompt``); an instance may set its own."""
     budget: ClassVar[Budget] = Budget()
     """Default budget; ``Episode`` and ``run_episode`` accept an override."""
     _tool_specs: ClassVar[dict[str, T.ToolSpec]] = {}
@@ -132,7 +135,7 @@ class Env:
 
     def system_message(self) -> str:
         """The system text for one episode: ``system_prompt`` plus the tools and call syntax."""
-        return T.render_tools_prompt(self._tool_specs, self.system_prompt)
+        return T.render_tools_prompt(self._tool_specs, self.system_prompt, self.tool_prompt)
 
     def reset(self, task: Any) -> str | list[Message]:
         """Start an episode for ``task`` and return the user prompt (or chat messages)."""

@@ -28,15 +28,18 @@ Solver = Generator[str, Passages, tuple[str, list[str]]]
 
 
 class SearchOracle:
-    """Solves a search task: search the question, open a gold passage, answer.
+    """Solves a search task: search the question, answer from the results (or open a gold
+    passage first when its result does not show the answer), answer.
 
     It is privileged (it knows the gold answer and evidence ids): when the question's
     own words do not retrieve the evidence it searches for the answer's name, as a
-    model that guessed the entity would. Its turns are valid SFT demonstrations.
+    model that guessed the entity would. Its turns are valid SFT demonstrations; its
+    searches ask for ``k`` results.
     """
 
-    def __init__(self, task: Mapping[str, Any]):
+    def __init__(self, task: Mapping[str, Any], k: int = 10):
         self.task = task
+        self.k = k
         self.evidence = set(task.get("evidence", []))
         self.queries = [task.get("query") or _question_keywords(task["question"])]
         if task.get("answers"):
@@ -47,19 +50,31 @@ class SearchOracle:
         obs = last_observation(messages)
         found = [pid for pid in _result_ids(obs or "") if pid in self.evidence]
         if found and obs and obs.startswith("Results for"):
+            answer = str(self.task["answers"][0]) if self.task.get("answers") else None
+            if answer is not None and json.dumps(answer, ensure_ascii=False) in _result_header(obs, found[0]):
+                return f"Result {found[0]} is titled {json.dumps(answer, ensure_ascii=False)}.\n" + \
+                    format_call("answer", {"text": answer})
             return f"Passage {found[0]} looks relevant; I will read it.\n" + format_call("open", {"doc_id": found[0]})
         if obs and obs.startswith("Document "):
             return "The document confirms it.\n" + format_call("answer", {"text": str(self.task["answers"][0])})
         if self.step < len(self.queries):
             q = self.queries[self.step]
             self.step += 1
-            return f"I will search for {json.dumps(q)}.\n" + format_call("search", {"query": q, "k": 10})
+            return f"I will search for {json.dumps(q)}.\n" + format_call("search", {"query": q, "k": self.k})
         return "I am fairly sure of the answer.\n" + format_call("answer", {"text": str(self.task["answers"][0])})
 
 
 def _question_keywords(question: str) -> str:
     quoted = question.split('"')
     return quoted[1] if len(quoted) >= 3 else question
+
+
+def _result_header(observation: str, passage_id: str) -> str:
+    """The ``[rank] id (document …)`` line of ``passage_id`` in a search result ("" if absent)."""
+    for line in observation.splitlines():
+        if line.startswith("[") and "] " in line and line.split("] ", 1)[1].split(" ", 1)[0] == passage_id:
+            return line
+    return ""
 
 
 def _result_ids(observation: str) -> list[str]:

@@ -67,6 +67,31 @@ def list_envs() -> list[Entry]:
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
 
+def protocol_texts() -> list[str]:
+    """The tool-protocol text every built-in environment shows a model: its system message
+    (preamble, call syntax, tool schemas) and one call of each tool. Tokenizers are trained
+    on these as well as on prose (`k3rl init`), so the JSON of schemas and calls costs a few
+    tokens per word rather than a few per character."""
+    from envs import tools as T
+
+    _load_builtins()
+    texts, stack, seen = [], list(Env.__subclasses__()), set()
+    while stack:
+        cls = stack.pop(0)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        stack.extend(cls.__subclasses__())
+        specs = cls.tool_specs()
+        if not specs:
+            continue
+        texts += [T.render_tools_prompt(specs, cls.system_prompt, style) for style in T.TOOL_PROMPT_STYLES]
+        for spec in specs.values():
+            args = {name: "" for name in spec.schema()["function"]["parameters"].get("required", [])}
+            texts.append(T.format_call(spec.name, args))
+    return texts
+
+
 def main(argv: list[str]) -> int:
     """``k3rl envs``: print one line per registered environment."""
     if argv and argv[0] in ("-h", "--help"):

@@ -16,15 +16,26 @@ Reward: ``(1 - w) * F1 + w * evidence_recall`` of the answered episode (``w`` =
 gold passage as found once a search returned it or an opened page covered it. Info
 carries EM, F1, recall, search/open counts and repeated queries.
 
-``SearchEnv.tasks`` makes paraphrase questions from the Wikipedia summaries: the
-article's short description is the question, the title the answer, its lead passage
-the evidence (CORPORA.md: descriptions share few words with the summaries).
+``SearchEnv.tasks`` makes questions over the Wikipedia summaries whose answer is an
+article's title, in one of two kinds (``questions=``):
+
+- ``description`` (default): the article's short description is the question, its lead
+  passage the evidence. A paraphrase task: descriptions share few words with the
+  summaries (CORPORA.md), so the right article is rarely the first hit.
+- ``quote``: a few consecutive words quoted from a passage (none of them a title word)
+  are the question, that passage the evidence. Searching the quote finds the passage
+  first (tasks where it does not are skipped), so the skills are the protocol itself:
+  copy the quote into a query, copy the title from the results. The quickstart's task.
+
+Search results show each title JSON-quoted (``"Owl"``), as an ``answer`` call writes it,
+so a title is copied token for token from a result into the answer.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import asdict
 from typing import Any, Mapping, Sequence
 
@@ -32,7 +43,7 @@ from envs import scoring
 from envs.base import Env, Policy
 from envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
 from envs.registry import register
-from envs.tools import ToolError, tool
+from envs.tools import TOOL_PROMPT_STYLES, ToolError, tool
 
 _CORPORA: dict[str, Corpus] = {}
 
@@ -78,6 +89,10 @@ class SearchEnv(Env):
         page_chars: int = 2000,
         snippet_chars: int = 1000,
         evidence_weight: float = 0.1,
+        questions: str = "description",
+        oracle_k: int = 10,
+        tool_prompt: str = "json",
+        quote_articles: int | None = None,
     ):
         """
         Args:
@@ -88,7 +103,21 @@ class SearchEnv(Env):
             page_chars: characters per ``open`` page.
             snippet_chars: longest passage text shown in search results.
             evidence_weight: share of the reward given to evidence recall.
+            questions: the kind of question ``tasks`` makes: ``description`` or ``quote``.
+            oracle_k: the ``k`` of the oracle's searches (its demonstrations teach it).
+            tool_prompt: how the system message lists the tools, ``json`` or ``compact``.
+            quote_articles: ``quote`` questions about this many fixed articles only (None: all).
         """
+        self.quote_articles = quote_articles
+        if tool_prompt not in TOOL_PROMPT_STYLES:
+            raise ValueError(f"tool_prompt: {tool_prompt!r} is not one of {', '.join(TOOL_PROMPT_STYLES)}")
+        self.tool_prompt = tool_prompt
+        if questions not in QUESTION_KINDS:
+            raise ValueError(f"questions: {questions!r} is not one of {', '.join(QUESTION_KINDS)}")
+        if not 1 <= oracle_k <= max_k:
+            raise ValueError(f"oracle_k must be between 1 and max_k={max_k}, got {oracle_k}")
+        self.questions = questions
+        self.oracle_k = oracle_k
         self._corpus_spec = corpus
         self._shared: Corpus | None = None
         self.method = method
@@ -145,7 +174,7 @@ class SearchEnv(Env):
         lines = [f"Results for {json.dumps(query)}:"]
         for h in hits:
             p = h.passage
-            doc = f" (document {p.doc_id}: {p.title})" if p.doc_id != p.id else ""
+            doc = f" (document {p.doc_id}: {json.dumps(p.title, ensure_ascii=False)})" if p.doc_id != p.id else ""
             text = p.text if len(p.text) <= self.snippet_chars else p.text[: self.snippet_chars] + " …"
             lines.append(f"[{h.rank}] {p.id}{doc}\n{text}")
         return "\n\n".join(lines)
@@ -210,13 +239,18 @@ class SearchEnv(Env):
         return (1 - w) * scoring.f1(self.final, self.answers) + w * scoring.evidence_recall(self.seen, self.evidence)
 
     def tasks(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
-        """Paraphrase questions over the Wikipedia summaries (needs a ``wiki`` corpus)."""
+        """Questions over the Wikipedia summaries of the kind ``questions`` (needs a ``wiki`` corpus)."""
+        if self.questions == "quote":
+            return quote_tasks(self.shared_corpus, n, seed, self.method, articles=self.quote_articles)
         return wiki_tasks(self.shared_corpus, n, seed)
 
     def oracle(self, task: Mapping[str, Any]) -> Policy:
         from envs.oracles import SearchOracle
 
-        return SearchOracle(task)
+        return SearchOracle(task, k=self.oracle_k)
+
+
+QUESTION_KINDS = ("description", "quote")
 
 
 def wiki_tasks(corpus: Corpus, n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -253,3 +287,84 @@ def wiki_tasks(corpus: Corpus, n: int, seed: int = 0) -> list[dict[str, Any]]:
         }
         for i, r in enumerate(picked)
     ]
+
+
+_WORD = re.compile(r"[A-Za-z]+")
+_EDGE = "\"'()[],.;:!?"
+
+
+def quote_tasks(corpus: Corpus, n: int, seed: int = 0, method: str = "bm25", words: int = 5,
+                articles: int | None = None) -> list[dict[str, Any]]:
+    """``n`` questions "which article contains the words "…"?" whose answer is a title in ``corpus``.
+
+    The quote is ``words`` consecutive alphabetic words of an article's first passage,
+    none of them a word of the title (the title cannot be read off the question); a
+    quote is kept only when searching it ranks that passage first, so every task is
+    solvable in one search. With ``articles=None`` every task is about a different
+    article. With ``articles=N`` the tasks quote N fixed articles (the same N for every
+    seed), so the answers come from a closed set of N titles and tasks of different
+    seeds differ in the quote only: the small world in which a model trained for minutes
+    from scratch can learn the skill (the quickstart).
+    """
+    docs = sorted(corpus.documents)
+    if articles is not None:
+        if articles < 1:
+            raise ValueError(f"articles must be ≥ 1, got {articles}")
+        random.Random("quote-articles").shuffle(docs)
+        docs = [d for d in docs if _quotable(corpus, d)][:articles]
+        if len(docs) < articles:
+            raise ValueError(f"only {len(docs)} articles of corpus {corpus.name!r} can be quoted, asked for {articles}")
+    rng = random.Random(f"quote-tasks:{seed}")
+    if articles is None:
+        rng.shuffle(docs)
+        order = iter(docs)
+    else:
+        order = (rng.choice(docs) for _ in range(200 * n))
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for doc_id in order:
+        if len(out) == n:
+            break
+        quote = _pick_quote(corpus, doc_id, rng, words, method)
+        if quote is None or quote in seen:
+            continue
+        seen.add(quote)
+        passage = corpus.passage(f"{doc_id}#0")
+        out.append({
+            "id": f"quote-{seed}-{len(out)}",
+            "question": f'Which Wikipedia article contains the words "{quote}"? Answer with its title.',
+            "answers": [passage.title],
+            "evidence": [passage.id],
+            "hops": 1,
+        })
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} quote questions could be made from corpus {corpus.name!r}, asked for {n}")
+    return out
+
+
+def _quotable(corpus: Corpus, doc_id: str) -> bool:
+    passage = corpus.passage(f"{doc_id}#0")
+    return passage is not None and bool(passage.title) and len(passage.text.split()) >= 40
+
+
+def _pick_quote(corpus: Corpus, doc_id: str, rng: random.Random, words: int, method: str) -> str | None:
+    """A quote of ``words`` words from the first passage of ``doc_id`` that ranks it first, or None."""
+    passage = corpus.passage(f"{doc_id}#0")
+    if passage is None or not passage.title:
+        return None
+    title_words = set(scoring.normalize_answer(passage.title).split())
+    # words without the punctuation around them; a quote never spans a sentence end
+    tokens = [(w.strip(_EDGE), w.endswith((".", "!", "?", ";", ":"))) for w in passage.text.split()]
+    starts = list(range(max(0, len(tokens) - words + 1)))
+    rng.shuffle(starts)
+    for i in starts[:8]:
+        span = [w for w, _ in tokens[i:i + words]]
+        if any(end for _, end in tokens[i:i + words - 1]):
+            continue
+        if not all(_WORD.fullmatch(w) for w in span) or title_words & {w.lower() for w in span}:
+            continue
+        quote = " ".join(span)
+        hits = corpus.search(quote, 1, method)
+        if hits and hits[0].passage.id == passage.id:
+            return quote
+    return None

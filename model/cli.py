@@ -10,7 +10,8 @@ not a parameter, and is not counted.
 
 `init CONFIG OUT_DIR` writes a randomly initialised `K3ForCausalLM` as a Hugging Face directory
 (written to a temporary sibling and renamed, so a crash never leaves half a directory), plus,
-for vocabularies up to 65,536, a byte-level BPE tokenizer trained on the built-in wiki text.
+for vocabularies up to 65,536, a byte-level BPE tokenizer trained on the built-in wiki text and
+the environments' tool protocol (`envs.registry.protocol_texts`).
 Both commands parse their arguments before importing torch.
 """
 
@@ -24,6 +25,7 @@ import sys
 from collections import Counter
 
 TOKENIZER_MAX_VOCAB = 65536
+PROTOCOL_REPEATS = 100
 
 
 def _component(name: str) -> str:
@@ -170,4 +172,10 @@ def _train_builtin_tokenizer(config):
     if config.media_placeholder_token_id not in (None, MEDIA_PLACEHOLDER_ID):
         raise ValueError(f"media_placeholder_token_id: the built-in tokenizer's <|media_pad|> is "
                          f"{MEDIA_PLACEHOLDER_ID}, the config says {config.media_placeholder_token_id}")
-    return train_tokenizer(builtin_texts("wiki"), config.vocab_size, model_max_length=config.max_position_embeddings)
+    from itertools import chain
+
+    from envs.registry import protocol_texts
+
+    # The tool protocol (schemas, calls, framing) is repeated so that its words become single tokens.
+    texts = chain(builtin_texts("wiki"), protocol_texts() * PROTOCOL_REPEATS)
+    return train_tokenizer(texts, config.vocab_size, model_max_length=config.max_position_embeddings)

@@ -16,6 +16,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rl.cli:config_main", "print the fully resolved config of CONFIG [overrides…] as YAML"),
     "selfcheck": ("rl.selfcheck:main", "check the stack end to end: Ray actors, Triton kernels, vLLM vs transformers"),
+    "quickstart": ("rl.quickstart:main", "quickstart [CONFIG] [key=value…]: the main job — tiny K3 from scratch, SFT, "
+                   "GRPO on Ray, held-out success before/after RL"),
     "train": ("rl.trainer:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
     "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (TRL SFTTrainer)"),
     "params": ("model.cli:params_main", "params CONFIG [key=value…] [--json]: total and active parameters by component"),

@@ -27,7 +27,7 @@ def test_search_open_answer_flow(small_env):
     ep = Episode(small_env, TASK)
     assert ep.messages[1]["content"] == "Question: Which bird hunts at night?"
     obs = ep.step(format_call("search", {"query": "nocturnal bird", "k": 2})).observation
-    assert obs.startswith('Results for "nocturnal bird":') and "[1] owl#0 (document owl: Owl)" in obs
+    assert obs.startswith('Results for "nocturnal bird":') and "[1] owl#0 (document owl: \"Owl\")" in obs
     obs = ep.step(format_call("open", {"doc_id": "owl"})).observation
     assert obs.startswith("Document owl: Owl (characters 0-") and "[end of document]" in obs
     step = ep.step(format_call("answer", {"text": "Owls"}))
@@ -115,3 +115,66 @@ def test_wiki_tasks_deterministic_and_oracle_solves(wiki_corpus):
     assert sum(r.info["search_calls"] == 1 for r in results) / len(results) > 0.6
     nothing = [run_episode(env, t, lambda m: "no idea").reward for t in a[:50]]
     assert sum(nothing) == 0.0
+
+
+# ---- quote questions (the quickstart's task) and the compact tool list
+
+
+def test_quote_tasks_are_solvable_in_one_search_and_hide_the_title(wiki_corpus):
+    from envs import scoring
+    from envs.search import quote_tasks
+
+    env = SearchEnv(corpus=wiki_corpus, questions="quote", oracle_k=3, snippet_chars=100)
+    tasks = quote_tasks(wiki_corpus, 40, seed=3)
+    assert len({t["answers"][0] for t in tasks}) == 40  # one article per task without `articles`
+    for task in tasks:
+        quote = task["question"].split('"')[1]
+        assert len(quote.split()) == 5
+        assert not set(scoring.normalize_answer(task["answers"][0]).split()) & set(quote.lower().split())
+        result = run_episode(env, task, env.oracle(task))
+        calls = [m["content"] for m in result.messages if m["role"] == "assistant"]
+        # search, then answer straight from the result list (its title is shown JSON-quoted)
+        assert len(calls) == 2 and '"k": 3' in calls[0] and '"name": "answer"' in calls[1], calls
+        assert result.reward == pytest.approx(1.0) and result.info["em"] == 1.0
+
+
+def test_quote_articles_is_a_closed_world_shared_by_every_seed(wiki_corpus):
+    from envs.search import quote_tasks
+
+    a = quote_tasks(wiki_corpus, 60, seed=0, articles=8)
+    b = quote_tasks(wiki_corpus, 60, seed=1, articles=8)
+    titles = {t["answers"][0] for t in a}
+    assert len(titles) == 8 and {t["answers"][0] for t in b} == titles
+    assert len({t["question"] for t in a}) == 60  # no repeated question within a seed
+    assert {t["question"] for t in a} != {t["question"] for t in b}
+    assert quote_tasks(wiki_corpus, 20, seed=0, articles=8) == a[:20]  # a prefix: SFT ⊆ RL tasks
+    with pytest.raises(ValueError, match="only .* quote questions"):
+        quote_tasks(wiki_corpus, 5000, seed=0, articles=2)
+
+
+def test_search_env_names_bad_arguments():
+    with pytest.raises(ValueError, match="questions: 'riddles'"):
+        SearchEnv(corpus=None, questions="riddles")
+    with pytest.raises(ValueError, match="oracle_k must be between 1 and max_k=10, got 11"):
+        SearchEnv(corpus=None, oracle_k=11)
+    with pytest.raises(ValueError, match="tool_prompt: 'yaml'"):
+        SearchEnv(corpus=None, tool_prompt="yaml")
+
+
+def test_compact_tool_prompt_lists_every_tool_in_one_line():
+    full = SearchEnv(corpus=None).system_message()
+    compact = SearchEnv(corpus=None, tool_prompt="compact").system_message()
+    assert "- search(query: string, k: integer = 5): Search the collection" in compact
+    assert "- open(doc_id: string, offset: integer = 0): Read a document page by page." in compact
+    assert "- answer(text: string): Give the final answer and end the episode." in compact
+    assert '"additionalProperties"' in full and '"additionalProperties"' not in compact
+    assert len(compact) < len(full) / 2
+    assert compact.split("<tools>")[0] == full.split("<tools>")[0]  # the same call syntax
+
+
+def test_protocol_texts_cover_every_builtin_environment():
+    from envs.registry import protocol_texts
+
+    texts = protocol_texts()
+    assert any("- search(query: string" in t for t in texts) and any('"name": "search"' in t for t in texts)
+    assert any('{"name": "answer", "arguments": {"text": ""}}' in t for t in texts)

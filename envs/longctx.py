@@ -4,7 +4,9 @@ Families (each instance is a pure function of ``(family, seed, options)``):
 
 - ``needle``: RULER-style records "The gardener keeps a red lantern, and its registry
   number is 4821734." among near-miss distractors that differ in one of the three key
-  words. Half the questions (``paraphrase_rate``) name the key with synonyms only
+  words; ``ask="colour"`` asks for the colour instead ("What colour is the lantern kept
+  by the gardener?", near misses then differ in the keeper or the object) — an answer from
+  a closed set of ten words, the quickstart's task. Half the questions (``paraphrase_rate``) name the key with synonyms only
   ("the scarlet lamp that the groundskeeper looks after"), NoLiMa-style, so literal
   overlap does not find it.
 - ``multihop``: MuSiQue-style chains of 1–4 hops over invented people, towns and rivers
@@ -168,17 +170,29 @@ def _needle(rng: random.Random, names: _Names, opt: Mapping[str, Any]) -> _Spec:
     role, obj, colour = rng.choice(list(ROLES)), rng.choice(list(OBJECTS)), rng.choice(list(COLOURS))
     paraphrase = rng.random() < opt["paraphrase_rate"]
     unanswerable = rng.random() < opt["unanswerable_rate"]
+    if opt["ask"] not in ("number", "colour"):
+        raise ValueError(f"ask: 'number' or 'colour', got {opt['ask']!r}")
+    colour_asked = opt["ask"] == "colour"
     values = rng.sample(range(1_000_000, 9_999_999), 1 + opt["distractors"])
     keys = {(role, obj, colour)}
     facts = [] if unanswerable else [Fact(_needle_text(role, obj, colour, values[0]), True)]
     tables = {0: list(ROLES), 1: list(OBJECTS), 2: list(COLOURS)}
+    # asked for the colour, a near miss differs in the keeper or the object: never only in the colour
+    slots = 2 if colour_asked else 3
+    if colour_asked and opt["distractors"] > len(ROLES) + len(OBJECTS) - 2:
+        raise ValueError(f"distractors: at most {len(ROLES) + len(OBJECTS) - 2} when ask='colour'")
     while len(keys) < 1 + opt["distractors"]:
-        key = [role, obj, colour]
-        slot = rng.randrange(3)
+        key = [role, obj, rng.choice(list(COLOURS)) if colour_asked else colour]
+        slot = rng.randrange(slots)
         key[slot] = rng.choice([v for v in tables[slot] if v != key[slot]])
-        if tuple(key) not in keys:
+        if tuple(key) not in keys and not (colour_asked and key[:2] == [role, obj]):
             keys.add(tuple(key))
             facts.append(Fact(_needle_text(*key, values[len(keys) - 1])))
+    if colour_asked:
+        question = (f"What colour is the {OBJECTS[obj][0]} that the {ROLES[role][0]} looks after?" if paraphrase
+                    else f"What colour is the {obj} kept by the {role}?")
+        answers = [UNANSWERABLE] if unanswerable else [colour]
+        return _Spec(question, answers, facts, 1, unanswerable, meta={"paraphrase": paraphrase})
     if paraphrase:
         question = (f"Which figure is recorded for the {COLOURS[colour][0]} {OBJECTS[obj][0]} "
                     f"that the {ROLES[role][0]} looks after?")
@@ -290,7 +304,8 @@ def _ith(rng: random.Random, names: _Names, opt: Mapping[str, Any]) -> _Spec:
 
 
 GENERATORS = {"needle": _needle, "multihop": _multihop, "aggregate": _aggregate, "ith": _ith}
-DEFAULTS = {"paraphrase_rate": 0.5, "unanswerable_rate": 0.1, "distractors": 4, "hops": None, "max_hops": 4}
+DEFAULTS = {"paraphrase_rate": 0.5, "unanswerable_rate": 0.1, "distractors": 4, "hops": None, "max_hops": 4,
+            "ask": "number"}
 
 
 @lru_cache(maxsize=4)
@@ -312,9 +327,9 @@ PROMPT_CONTEXT = (
     'and, in `evidence`, the ids of the passages it rests on. If the text does not contain the answer, answer "unanswerable".'
 )
 PROMPT_SEARCH = (
-    "Question: {question}\n\nThe collection is one long text split into passages whose ids (p00000, p00001, ...) "
+    "The collection is one long text split into passages whose ids (p00000, p00001, ...) "
     "follow the order of the text. Search it to answer, then call `answer` with the answer alone (a name or a number). "
-    'If the collection does not contain the answer, answer "unanswerable".'
+    'If the collection does not contain the answer, answer "unanswerable".\n\nQuestion: {question}'
 )
 
 
@@ -486,8 +501,11 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
     """A long-context family served behind search: the haystack is the corpus of ``search``/``open``."""
 
     def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
-                 tokenizer: Any = None, max_k: int = 20, evidence_weight: float = 0.1, **options: Any):
-        super().__init__(corpus=None, max_k=max_k, snippet_chars=4000, evidence_weight=evidence_weight)
+                 tokenizer: Any = None, max_k: int = 20, evidence_weight: float = 0.1, oracle_k: int | None = None,
+                 snippet_chars: int = 4000, tool_prompt: str = "json", snippet: str = "head", **options: Any):
+        """``oracle_k``: the k of the oracle's searches (default ``max_k``); the rest as ``SearchEnv``."""
+        super().__init__(corpus=None, max_k=max_k, snippet_chars=snippet_chars, evidence_weight=evidence_weight,
+                         oracle_k=max_k if oracle_k is None else oracle_k, tool_prompt=tool_prompt, snippet=snippet)
         self.family, self.length, self.source, self.tokenizer, self.options = family, length, source, tokenizer, options
 
     def reset(self, task: Mapping[str, Any]) -> str:
@@ -504,7 +522,7 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
     def oracle(self, task: Mapping[str, Any]) -> Policy:
         from envs.oracles import FamilySearchOracle
 
-        return FamilySearchOracle(task.get("family", self.family), self.max_k)
+        return FamilySearchOracle(task.get("family", self.family), self.oracle_k)
 
 
 def _family_factory(family: str) -> Callable[..., Env]:

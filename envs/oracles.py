@@ -89,6 +89,16 @@ _SYNONYM = {syn: canon for table in (ROLES, OBJECTS, COLOURS) for canon, syns in
 
 
 def _solve_needle(question: str) -> Solver:
+    asked = re.match(r"What colour is the (.+?) (?:kept by|that) the (.+?)(?: looks after)?\?$", question)
+    if asked:
+        obj, role = (_SYNONYM.get(g, g) for g in asked.groups())
+        pattern = re.compile(rf"The {role} keeps an? (\w+) {obj}, and its registry number is \d+\.")
+        passages = yield f"{role} keeps {obj}"
+        for pid, text in passages:
+            found = pattern.search(text)
+            if found:
+                return found.group(1), [pid]
+        return UNANSWERABLE, []
     m = re.match(r"What is the registry number of the (\w+) (.+?) kept by the (.+)\?$", question) or \
         re.match(r"Which figure is recorded for the (\w+) (.+?) that the (.+) looks after\?$", question)
     colour, obj, role = (_SYNONYM.get(g, g) for g in m.groups())

@@ -93,6 +93,7 @@ class SearchEnv(Env):
         oracle_k: int = 10,
         tool_prompt: str = "json",
         quote_articles: int | None = None,
+        snippet: str = "head",
     ):
         """
         Args:
@@ -107,7 +108,12 @@ class SearchEnv(Env):
             oracle_k: the ``k`` of the oracle's searches (its demonstrations teach it).
             tool_prompt: how the system message lists the tools, ``json`` or ``compact``.
             quote_articles: ``quote`` questions about this many fixed articles only (None: all).
+            snippet: what a result shows of its passage: ``head`` (its beginning) or ``match``
+                (the sentence sharing most words with the query, as search engines highlight).
         """
+        if snippet not in SNIPPETS:
+            raise ValueError(f"snippet: {snippet!r} is not one of {', '.join(SNIPPETS)}")
+        self.snippet = snippet
         self.quote_articles = quote_articles
         if tool_prompt not in TOOL_PROMPT_STYLES:
             raise ValueError(f"tool_prompt: {tool_prompt!r} is not one of {', '.join(TOOL_PROMPT_STYLES)}")
@@ -175,7 +181,8 @@ class SearchEnv(Env):
         for h in hits:
             p = h.passage
             doc = f" (document {p.doc_id}: {json.dumps(p.title, ensure_ascii=False)})" if p.doc_id != p.id else ""
-            text = p.text if len(p.text) <= self.snippet_chars else p.text[: self.snippet_chars] + " …"
+            text = match_snippet(p.text, query) if self.snippet == "match" else p.text
+            text = text if len(text) <= self.snippet_chars else text[: self.snippet_chars] + " …"
             lines.append(f"[{h.rank}] {p.id}{doc}\n{text}")
         return "\n\n".join(lines)
 
@@ -251,6 +258,24 @@ class SearchEnv(Env):
 
 
 QUESTION_KINDS = ("description", "quote")
+SNIPPETS = ("head", "match")
+_SENTENCE = re.compile(r"[^.!?]+(?:[.!?]+|$)")
+_TERM = re.compile(r"\w+")
+
+
+def match_snippet(text: str, query: str) -> str:
+    """The sentence of ``text`` sharing most distinct words with ``query`` (the first on ties),
+    with "… " / " …" where text was left out."""
+    terms = {w.lower() for w in _TERM.findall(query)}
+    best, best_score = None, 0
+    for m in _SENTENCE.finditer(text):
+        score = len(terms & {w.lower() for w in _TERM.findall(m.group())})
+        if score > best_score:
+            best, best_score = m, score
+    if best is None:
+        return text
+    start, end = best.start() + len(best.group()) - len(best.group().lstrip()), best.end()
+    return ("… " if start > 0 else "") + text[start:end].strip() + (" …" if text[end:].strip() else "")
 
 
 def wiki_tasks(corpus: Corpus, n: int, seed: int = 0) -> list[dict[str, Any]]:

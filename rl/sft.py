@@ -446,7 +446,7 @@ def _task_key(task: Any) -> str:
 def _tasks(env, env_name: str, n: int, seed: int) -> list[Any]:
     try:
         return env.tasks(n, seed)
-    except NotImplementedError as e:
+    except (NotImplementedError, ValueError) as e:
         raise ConfigError(f"environment {env_name!r}: {e}") from None
 
 

@@ -270,13 +270,25 @@ class Trainer:
 
     def _load_tasks(self, env: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         rl = self.rl
-        train = read_tasks(rl.tasks_path) if rl.tasks_path else env.tasks(rl.num_tasks, seed=self.cfg.run.seed)
+        try:
+            train = read_tasks(rl.tasks_path) if rl.tasks_path else env.tasks(rl.num_tasks, seed=self.cfg.run.seed)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"rl.num_tasks / rl.env_args: environment {rl.env!r} cannot make the training tasks: "
+                              f"{e}") from None
         if not train:
             raise ConfigError("no training tasks (rl.tasks_path is empty, or rl.num_tasks is 0)")
         held_out = []
         if rl.eval_every > 0:
-            held_out = read_tasks(rl.eval_tasks_path) if rl.eval_tasks_path else (
-                env.tasks(rl.eval_tasks, seed=rl.eval_seed) if rl.eval_tasks > 0 else [])
+            try:
+                held_out = read_tasks(rl.eval_tasks_path) if rl.eval_tasks_path else (
+                    env.tasks(rl.eval_tasks, seed=rl.eval_seed) if rl.eval_tasks > 0 else [])
+            except ConfigError:
+                raise
+            except ValueError as e:
+                raise ConfigError(f"rl.eval_tasks / rl.env_args: environment {rl.env!r} cannot make the held-out "
+                                  f"tasks: {e}") from None
             seen = {_task_key(t) for t in train}
             held_out = [t for t in held_out if _task_key(t) not in seen]
         named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],

@@ -182,3 +182,33 @@ def test_one_million_token_haystack():
     assert 0.98 * 1_000_000 <= n <= 1_000_000 and len(inst.passages) > 5000
     answer, _ = O.solve_in_context("multihop", inst.question, inst.passages)
     assert [answer] == inst.answers
+
+
+def test_needle_colour_question_has_one_right_record():
+    """ask='colour': the answer is the target's colour; every near miss differs in the keeper or the
+    object (never only in the colour), so the question has exactly one matching record."""
+    for seed in range(60):
+        inst = L.generate("needle", seed, length=1200, source="wiki", ask="colour", distractors=3,
+                          paraphrase_rate=0.5, unanswerable_rate=0.0)
+        m = re.match(r"What colour is the (.+?) (?:kept by|that) the (.+?)(?: looks after)?\?$", inst.question)
+        assert m, inst.question
+        obj, role = (O._SYNONYM.get(g, g) for g in m.groups())
+        text = " ".join(t for _, t in inst.passages)
+        records = re.findall(r"The (\w+) keeps an? (\w+) (\w+), and its registry number is \d+\.", text)
+        assert len(records) == 4
+        matching = [c for r, c, o in records if (r, o) == (role, obj)]
+        assert matching == inst.answers and inst.answers[0] in L.COLOURS
+    with pytest.raises(ValueError, match="ask: 'number' or 'colour'"):
+        L.generate("needle", 0, length=1200, source="wiki", ask="size")
+
+
+def test_needle_colour_behind_search_is_solved_in_one_search():
+    env = make("needle", serve="search", source="wiki", length=1200, ask="colour", distractors=1,
+               paraphrase_rate=0.0, unanswerable_rate=0.0, max_k=5, oracle_k=1, tool_prompt="compact")
+    solved = 0
+    for task in env.tasks(100, seed=5):
+        result = run_episode(env, task, env.oracle(task))
+        calls = [m["content"] for m in result.messages if m["role"] == "assistant"]
+        assert '"k": 1' in calls[0] and len(calls) == 2
+        solved += result.info["em"] == 1.0
+    assert solved >= 95

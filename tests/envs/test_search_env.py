@@ -178,3 +178,19 @@ def test_protocol_texts_cover_every_builtin_environment():
     texts = protocol_texts()
     assert any("- search(query: string" in t for t in texts) and any('"name": "search"' in t for t in texts)
     assert any('{"name": "answer", "arguments": {"text": ""}}' in t for t in texts)
+
+
+def test_match_snippet_shows_the_sentence_that_matches_the_query():
+    from envs.search import match_snippet
+
+    text = "Owls hunt at night. The gardener keeps a red lantern, and its number is 7. Oaks grow slowly."
+    assert match_snippet(text, "gardener keeps lantern") == "… The gardener keeps a red lantern, and its number is 7. …"
+    assert match_snippet(text, "owls night") == "Owls hunt at night. …"
+    assert match_snippet(text, "zebra") == text  # nothing in common: the passage as it is
+    docs = [Document("owl", "Owl", text)]
+    env = SearchEnv(corpus=Corpus.from_documents(docs), snippet="match", snippet_chars=60)
+    ep = Episode(env, {"question": "q", "answers": ["red"], "evidence": ["owl#0"]})
+    obs = ep.step(format_call("search", {"query": "gardener lantern", "k": 1})).observation
+    assert "… The gardener keeps a red lantern, and its number is 7. …"[:60] in obs
+    with pytest.raises(ValueError, match="snippet: 'tail'"):
+        SearchEnv(corpus=None, snippet="tail")

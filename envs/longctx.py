@@ -4,11 +4,11 @@ Families (each instance is a pure function of ``(family, seed, options)``):
 
 - ``needle``: RULER-style records "The gardener keeps a red lantern, and its registry
   number is 4821734." among near-miss distractors that differ in one of the three key
-  words; ``ask="colour"`` asks for the colour instead ("What colour is the lantern kept
-  by the gardener?", near misses then differ in the keeper or the object) — an answer from
-  a closed set of ten words, the quickstart's task. Half the questions (``paraphrase_rate``) name the key with synonyms only
+  words. Half the questions (``paraphrase_rate``) name the key with synonyms only
   ("the scarlet lamp that the groundskeeper looks after"), NoLiMa-style, so literal
-  overlap does not find it.
+  overlap does not find it. ``ask="colour"`` asks for the colour instead ("What colour is
+  the lantern kept by the gardener?"; near misses then differ in the keeper or the object):
+  an answer from a closed set of ten words, the quickstart's task.
 - ``multihop``: MuSiQue-style chains of 1–4 hops over invented people, towns and rivers
   ("Who is the mayor of the hometown of the mentor of Varek Ostrum?"); each hop needs the
   previous answer; branches, a parallel decoy chain and a near-namesake are distractors.

@@ -89,21 +89,21 @@ _SYNONYM = {syn: canon for table in (ROLES, OBJECTS, COLOURS) for canon, syns in
 
 
 def _solve_needle(question: str) -> Solver:
-    asked = re.match(r"What colour is the (.+?) (?:kept by|that) the (.+?)(?: looks after)?\?$", question)
-    if asked:
-        obj, role = (_SYNONYM.get(g, g) for g in asked.groups())
+    colour_asked = re.match(r"What colour is the (.+?) (?:kept by|that) the (.+?)(?: looks after)?\?$", question)
+    if colour_asked:
+        obj, role = (_SYNONYM.get(g, g) for g in colour_asked.groups())
         pattern = re.compile(rf"The {role} keeps an? (\w+) {obj}, and its registry number is \d+\.")
-        passages = yield f"{role} keeps {obj}"
-        for pid, text in passages:
-            found = pattern.search(text)
-            if found:
-                return found.group(1), [pid]
-        return UNANSWERABLE, []
+        return (yield from _first_match(f"{role} keeps {obj}", pattern))
     m = re.match(r"What is the registry number of the (\w+) (.+?) kept by the (.+)\?$", question) or \
         re.match(r"Which figure is recorded for the (\w+) (.+?) that the (.+) looks after\?$", question)
     colour, obj, role = (_SYNONYM.get(g, g) for g in m.groups())
     pattern = re.compile(rf"The {role} keeps a {colour} {obj}, and its registry number is (\d+)\.")
-    passages = yield f"{role} {colour} {obj} registry number"
+    return (yield from _first_match(f"{role} {colour} {obj} registry number", pattern))
+
+
+def _first_match(query: str, pattern: re.Pattern) -> Solver:
+    """Ask for ``query``; the first passage ``pattern`` matches gives the answer (its group 1)."""
+    passages = yield query
     for pid, text in passages:
         found = pattern.search(text)
         if found:

@@ -25,7 +25,7 @@ article's title, in one of two kinds (``questions=``):
 - ``quote``: a few consecutive words quoted from a passage (none of them a title word)
   are the question, that passage the evidence. Searching the quote finds the passage
   first (tasks where it does not are skipped), so the skills are the protocol itself:
-  copy the quote into a query, copy the title from the results. The quickstart's task.
+  copy the quote into a query, copy the title from the results.
 
 Search results show each title JSON-quoted (``"Owl"``), as an ``answer`` call writes it,
 so a title is copied token for token from a result into the answer.
@@ -328,8 +328,7 @@ def quote_tasks(corpus: Corpus, n: int, seed: int = 0, method: str = "bm25", wor
     solvable in one search. With ``articles=None`` every task is about a different
     article. With ``articles=N`` the tasks quote N fixed articles (the same N for every
     seed), so the answers come from a closed set of N titles and tasks of different
-    seeds differ in the quote only: the small world in which a model trained for minutes
-    from scratch can learn the skill (the quickstart).
+    seeds differ in the quote only (a small world for models trained from scratch).
     """
     docs = sorted(corpus.documents)
     if articles is not None:

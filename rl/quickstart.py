@@ -160,6 +160,9 @@ def run_quickstart(cfg: Any) -> Path:
         raise ConfigError(f"sft.num_tasks ({sft.num_tasks}) must be ≤ rl.num_tasks ({rl.num_tasks}) with "
                           f"sft.task_seed null: the SFT tasks are then RL training tasks, and every held-out task "
                           f"is new to both")
+    if rl.eval_tasks <= 0 and not rl.eval_tasks_path:
+        raise ConfigError("rl.eval_tasks: the quickstart compares held-out success before and after RL; "
+                          f"set rl.eval_tasks > 0 (or rl.eval_tasks_path), got {rl.eval_tasks}")
     started = time.perf_counter()
     run_dir = _fresh_dir(Path(cfg.run.output_dir), cfg.run.name)
     run_dir.mkdir(parents=True)

@@ -436,25 +436,12 @@ def _check(cfg) -> None:
         raise ConfigError(f"run.device: `cpu` or `cuda`, got {cfg.run.device!r}")
 
 
-def _task_key(task: Any) -> str:
-    """A task's content without its id (tasks drawn with different seeds may coincide); the rule
-    `k3rl train` uses to keep held-out tasks apart from training tasks."""
-    body = {k: v for k, v in task.items() if k != "id"} if isinstance(task, dict) else task
-    return json.dumps(body, sort_keys=True, default=str)
-
-
-def _tasks(env, env_name: str, n: int, seed: int) -> list[Any]:
-    try:
-        return env.tasks(n, seed)
-    except (NotImplementedError, ValueError) as e:
-        raise ConfigError(f"environment {env_name!r}: {e}") from None
-
-
 def run_sft(cfg) -> Path:
     """Run one SFT job (a loaded `JobConfig`, whose `sft:` section drives it); returns the directory
     of the trained HF model."""
     import envs
     from rl.config import to_yaml
+    from rl.tasks import make_tasks, task_key
 
     _check(cfg)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -470,7 +457,7 @@ def run_sft(cfg) -> Path:
         raise ConfigError(f"sft.model_dir: the tokenizer in {model_dir} has no chat template")
 
     env = envs.make(env_name, **env_kwargs)
-    train_tasks = _tasks(env, env_name, sft.num_tasks, task_seed)
+    train_tasks = make_tasks(env, sft.num_tasks, task_seed, "sft.num_tasks / rl.env_args")
     started = time.perf_counter()
     try:
         report = collect_demonstrations(env_name, sft.num_tasks, task_seed, tokenizer, env_kwargs, tasks=train_tasks,
@@ -502,8 +489,9 @@ def run_sft(cfg) -> Path:
     print(loss_summary(history, seconds, trainer.state.global_step, trainer._total_train_tokens), flush=True)
     plot_loss(history, run_dir / "loss.png")
     if sft.eval_tasks > 0:
-        seen = {_task_key(t) for t in train_tasks}
-        held_out = [t for t in _tasks(env, env_name, sft.eval_tasks, rl.eval_seed) if _task_key(t) not in seen]
+        seen = {task_key(t) for t in train_tasks}
+        held_out = [t for t in make_tasks(env, sft.eval_tasks, rl.eval_seed, "sft.eval_tasks / rl.env_args")
+                    if task_key(t) not in seen]
         result = evaluate_greedy(trainer.model, tokenizer, env_name, held_out, env_kwargs,
                                  max_new_tokens=rl.max_new_tokens, max_turns=rl.max_turns,
                                  max_context_tokens=rl.max_context_tokens, success_key=rl.success_key,

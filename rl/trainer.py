@@ -87,6 +87,7 @@ from rl.buffer import Taken, TrajectoryBuffer
 from rl.cluster import init_ray
 from rl.config import ConfigError, JobConfig, load_config, to_yaml
 from rl.metrics import METRICS_FILE, MetricsLogger, plot, wilson_interval
+from rl.tasks import make_tasks, task_key
 from rollout.worker import RolloutWorker, WorkerSpec
 
 
@@ -133,12 +134,6 @@ class StepResult:
 
 def _task_id(task: Any, fallback: str) -> str:
     return str(task["id"]) if isinstance(task, dict) and "id" in task else fallback
-
-
-def _task_key(task: Any) -> str:
-    """Identity of a task's content (its id left out): tasks drawn with different seeds may coincide."""
-    body = {k: v for k, v in task.items() if k != "id"} if isinstance(task, dict) else task
-    return json.dumps(body, sort_keys=True, default=str)
 
 
 def read_tasks(path: str | Path) -> list[Any]:
@@ -270,27 +265,16 @@ class Trainer:
 
     def _load_tasks(self, env: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         rl = self.rl
-        try:
-            train = read_tasks(rl.tasks_path) if rl.tasks_path else env.tasks(rl.num_tasks, seed=self.cfg.run.seed)
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"rl.num_tasks / rl.env_args: environment {rl.env!r} cannot make the training tasks: "
-                              f"{e}") from None
+        train = read_tasks(rl.tasks_path) if rl.tasks_path else make_tasks(env, rl.num_tasks, self.cfg.run.seed,
+                                                                           "rl.num_tasks / rl.env_args")
         if not train:
             raise ConfigError("no training tasks (rl.tasks_path is empty, or rl.num_tasks is 0)")
         held_out = []
         if rl.eval_every > 0:
-            try:
-                held_out = read_tasks(rl.eval_tasks_path) if rl.eval_tasks_path else (
-                    env.tasks(rl.eval_tasks, seed=rl.eval_seed) if rl.eval_tasks > 0 else [])
-            except ConfigError:
-                raise
-            except ValueError as e:
-                raise ConfigError(f"rl.eval_tasks / rl.env_args: environment {rl.env!r} cannot make the held-out "
-                                  f"tasks: {e}") from None
-            seen = {_task_key(t) for t in train}
-            held_out = [t for t in held_out if _task_key(t) not in seen]
+            held_out = read_tasks(rl.eval_tasks_path) if rl.eval_tasks_path else (
+                make_tasks(env, rl.eval_tasks, rl.eval_seed, "rl.eval_tasks / rl.env_args") if rl.eval_tasks > 0 else [])
+            seen = {task_key(t) for t in train}
+            held_out = [t for t in held_out if task_key(t) not in seen]
         named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],
                  [(_task_id(t, f"eval-{i}"), t) for i, t in enumerate(held_out)])
         for kind, tasks in zip(("training", "held-out"), named):

@@ -54,3 +54,29 @@ def test_quickstart_runs_end_to_end_and_reports_before_and_after(tmp_path, capsy
     # a second run never overwrites the first
     assert main(overrides + ["rl.steps=1"]) == 0
     assert (tmp_path / "qs-2" / "report.json").exists()
+
+
+def test_quickstart_needs_held_out_tasks(tmp_path, capsys):
+    assert main([f"run.output_dir={tmp_path}", "rl.eval_tasks=0"]) == 2
+    assert "rl.eval_tasks: the quickstart compares held-out success" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_make_tasks_names_the_keys_when_the_env_cannot():
+    from envs.base import Env
+    from rl.config import ConfigError
+    from rl.tasks import make_tasks, task_key
+
+    class Few(Env):
+        def tasks(self, n, seed=0):
+            if n > 3:
+                raise ValueError(f"only 3 tasks, asked for {n}")
+            return [{"id": f"t{i}", "q": i} for i in range(n)]
+
+    assert make_tasks(Few(), 2, 0, "rl.num_tasks") == [{"id": "t0", "q": 0}, {"id": "t1", "q": 1}]
+    with pytest.raises(ConfigError, match=r"rl.num_tasks / rl.env_args: environment Few cannot make 5 tasks "
+                                          r"\(seed 7\): only 3 tasks, asked for 5"):
+        make_tasks(Few(), 5, 7, "rl.num_tasks / rl.env_args")
+    with pytest.raises(ConfigError, match="sft.num_tasks: environment Env cannot make 1 tasks"):
+        make_tasks(Env(), 1, 0, "sft.num_tasks")  # an env without a task generator
+    assert task_key({"id": "a", "q": 1}) == task_key({"q": 1, "id": "b"}) != task_key({"q": 2})

@@ -172,6 +172,13 @@ class SFTConfig:
     """Seed of those tasks; null: `run.seed` (the tasks `k3rl train` draws)."""
     min_reward: float = 1.0
     """Demonstrations whose episode reward is below this are dropped."""
+    closed_book_rate: float = 0.0
+    """Fraction of the tasks demonstrated by a closed-book teacher that answers at once with a guess
+    (another task's answer) instead of the oracle (`rl.sft.ClosedBookPolicy`); kept whatever their reward."""
+    hedging_rate: float = 0.0
+    """Fraction of the tasks demonstrated by a teacher that hedges the oracle's final answer
+    ("grey" → "grey, I think"; `rl.sft.HedgingPolicy`); kept whatever their reward. The quickstart
+    uses it so that SFT leaves a habit that only the reward shows to be wrong."""
     max_steps: int = 100
     """Optimizer steps; 0 or less trains for `epochs` epochs instead."""
     epochs: float = 1.0

@@ -64,6 +64,7 @@ class DemoReport:
     def summary(self) -> dict[str, Any]:
         n = max(1, len(self.rows))
         return {"tasks": self.tasks, "kept": len(self.rows), "dropped": dict(self.dropped),
+                "teachers": dict(Counter(r.get("teacher", "oracle") for r in self.rows)),
                 "mean_tokens": sum(len(r["input_ids"]) for r in self.rows) / n,
                 "mean_assistant_tokens": sum(sum(r["assistant_masks"]) for r in self.rows) / n,
                 "mean_prompt_tokens": sum(r["prompt_tokens"] for r in self.rows) / n,
@@ -72,7 +73,10 @@ class DemoReport:
     def line(self) -> str:
         s = self.summary()
         why = ", ".join(f"{v} {_DROP_REASONS[k]}" for k, v in sorted(self.dropped.items()))
+        mix = {k: v for k, v in s["teachers"].items() if k != "oracle"}
+        closed = f" (by imperfect teachers: {', '.join(f'{v} {k}' for k, v in sorted(mix.items()))})" if mix else ""
         return (f"demonstrations: kept {s['kept']} of {s['tasks']} tasks" + (f" (dropped: {why})" if why else "")
+                + closed
                 + f"; {s['mean_tokens']:.0f} tokens each on average ({s['mean_prompt_tokens']:.0f} prompt, "
                   f"{s['mean_assistant_tokens']:.0f} the model's own), {s['mean_turns']:.1f} turns")
 
@@ -121,25 +125,109 @@ def render_demonstration(renderer, messages: Sequence[dict[str, Any]]) -> tuple[
     return ids, mask, turns
 
 
+class ClosedBookPolicy:
+    """A teacher that answers at once, without looking anything up: its only turn is the terminal
+    call `call` (another task's final answer, so a plausible guess of the right kind), as a
+    closed-book model answers from memory."""
+
+    preamble = "I will answer from memory.\n"
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, messages: list[dict[str, Any]]) -> str:
+        from envs.tools import format_call
+
+        return self.preamble + format_call(self.call.name, self.call.arguments)
+
+
+class HedgingPolicy:
+    """A teacher that plays `oracle` but hedges its final answer: the first text argument of the
+    terminal call gets `suffix` ("grey" → "grey, I think"), which exact match does not accept and F1
+    scores lower, as a chatty model pads the answer field."""
+
+    suffix = ", I think"
+
+    def __init__(self, oracle, env):
+        self.oracle, self.env = oracle, env
+
+    def __call__(self, messages: list[dict[str, Any]]) -> str:
+        from envs.tools import TOOL_CALL_START, format_call
+
+        text = self.oracle(messages)
+        call = _terminal_call(self.env, [{"role": "assistant", "content": text}])
+        key = next((k for k, v in call.arguments.items() if isinstance(v, str)), None) if call else None
+        if key is None:
+            return text
+        hedged = {**call.arguments, key: call.arguments[key] + self.suffix}
+        return text[:text.index(TOOL_CALL_START)] + format_call(call.name, hedged)
+
+
+def _terminal_call(env, messages: Sequence[dict[str, Any]]):
+    """The terminal tool call that ended a transcript, or None."""
+    from envs.tools import ToolCall, parse
+
+    last = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
+    call = parse(last["content"]) if last is not None else None
+    spec = env.tool_specs().get(call.name) if isinstance(call, ToolCall) else None
+    return call if spec is not None and spec.terminal else None
+
+
+TEACHERS = ("oracle", "closed_book", "hedging")
+"""Who demonstrates a task: the environment's oracle, `ClosedBookPolicy` or `HedgingPolicy`."""
+
+
 def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwargs: dict | None = None, *,
                            tasks: Sequence[Any] | None = None, min_reward: float = 1.0,
                            max_length: int | None = None, max_turn_tokens: int | None = None,
-                           max_turns: int | None = None) -> DemoReport:
+                           max_turns: int | None = None, closed_book_rate: float = 0.0, hedging_rate: float = 0.0,
+                           teacher_seed: int = 0) -> DemoReport:
     """Play the oracle of `env_name` on `tasks` (default: `env.tasks(n, seed)`) and render the
-    successful episodes (see `render_demonstration`)."""
+    successful episodes (see `render_demonstration`).
+
+    Imperfect teachers, for SFT that leaves RL something to learn: a `closed_book_rate` fraction of
+    the tasks (drawn with `teacher_seed`) is played by `ClosedBookPolicy` (guessing the final call of
+    another task's oracle episode) and a `hedging_rate` fraction by `HedgingPolicy`; their episodes
+    are kept whatever their reward when the oracle solved the task. Each row names its `teacher`.
+    """
+    import random
+
     import envs
     from envs.base import Budget, run_episode
     from rollout.chat import ChatRenderer
 
+    if not (0.0 <= closed_book_rate and 0.0 <= hedging_rate and closed_book_rate + hedging_rate < 1.0):
+        raise ValueError(f"closed_book_rate + hedging_rate: each ≥ 0 and together < 1, got {closed_book_rate} "
+                         f"and {hedging_rate}")
     renderer = ChatRenderer(tokenizer)
     env = envs.make(env_name, **(env_kwargs or {}))
     tasks = env.tasks(n, seed) if tasks is None else list(tasks)
     budget = env.budget if max_turns is None else Budget(**{**vars(env.budget), "max_turns": max_turns})
-    rows, dropped = [], Counter()
+    count = lambda s: len(renderer.encode(s))  # noqa: E731  (observations clipped as the agent loop clips them)
+    results = [run_episode(env, task, env.oracle(task), budget, count) for task in tasks]
+    solved = [r.reward >= min_reward for r in results]
+    rng = random.Random(teacher_seed)
+    teacher = []
+    for _ in tasks:
+        u = rng.random()
+        teacher.append("closed_book" if u < closed_book_rate else
+                       "hedging" if u < closed_book_rate + hedging_rate else "oracle")
+    calls = [(i, _terminal_call(env, r.messages)) for i, r in enumerate(results) if solved[i]]
+    calls = [(i, c) for i, c in calls if c is not None]
     for i, task in enumerate(tasks):
-        # Observations are clipped by the same token count the agent loop uses.
-        result = run_episode(env, task, env.oracle(task), budget, lambda s: len(renderer.encode(s)))
-        if result.reward < min_reward:
+        if teacher[i] == "oracle" or not solved[i]:
+            continue
+        if teacher[i] == "hedging":
+            results[i] = run_episode(env, task, HedgingPolicy(env.oracle(task), env), budget, count)
+        else:
+            others = [c for j, c in calls if j != i]
+            if not others:
+                raise ValueError(f"closed_book_rate: no other oracle episode of {env_name!r} ended with a terminal "
+                                 f"call to take a guess from")
+            results[i] = run_episode(env, task, ClosedBookPolicy(rng.choice(others)), budget, count)
+    rows, dropped = [], Counter()
+    for i, (task, result) in enumerate(zip(tasks, results)):
+        if not solved[i]:
             dropped["reward"] += 1
             continue
         ids, mask, turns = render_demonstration(renderer, result.messages)
@@ -151,7 +239,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
             continue
         task_id = str(task.get("id", i)) if isinstance(task, dict) else str(i)
         rows.append({"input_ids": ids, "assistant_masks": mask, "task_id": task_id, "reward": float(result.reward),
-                     "turns": len(turns), "prompt_tokens": mask.index(1)})
+                     "turns": len(turns), "prompt_tokens": mask.index(1), "teacher": teacher[i]})
     return DemoReport(rows, len(tasks), dict(dropped))
 
 
@@ -430,6 +518,12 @@ def _check(cfg) -> None:
     for key in ("num_tasks", "batch_size", "grad_accum", "logging_steps", "logprob_chunk_size"):
         if getattr(sft, key) <= 0:
             raise ConfigError(f"sft.{key}: must be > 0, got {getattr(sft, key)}")
+    for key in ("closed_book_rate", "hedging_rate"):
+        if not 0.0 <= getattr(sft, key) < 1.0:
+            raise ConfigError(f"sft.{key}: must be in [0, 1), got {getattr(sft, key)}")
+    if sft.closed_book_rate + sft.hedging_rate >= 1.0:
+        raise ConfigError(f"sft.closed_book_rate + sft.hedging_rate: must be < 1 (some tasks are the oracle's), got "
+                          f"{sft.closed_book_rate} + {sft.hedging_rate}")
     if sft.eval_tasks < 0:
         raise ConfigError(f"sft.eval_tasks: must be ≥ 0, got {sft.eval_tasks}")
     if cfg.run.device not in ("cpu", "cuda"):
@@ -462,7 +556,9 @@ def run_sft(cfg) -> Path:
     try:
         report = collect_demonstrations(env_name, sft.num_tasks, task_seed, tokenizer, env_kwargs, tasks=train_tasks,
                                         min_reward=sft.min_reward, max_length=rl.max_context_tokens,
-                                        max_turn_tokens=rl.max_new_tokens, max_turns=rl.max_turns)
+                                        max_turn_tokens=rl.max_new_tokens, max_turns=rl.max_turns,
+                                        closed_book_rate=sft.closed_book_rate, hedging_rate=sft.hedging_rate,
+                                        teacher_seed=task_seed)
     except NotImplementedError as e:
         raise ConfigError(f"environment {env_name!r}: {e}") from None
     print(report.line() + f" [{time.perf_counter() - started:.1f} s]", flush=True)

@@ -2,31 +2,43 @@
 that measurably learns, on the CPU in minutes.
 
 1. **init**: a random tiny K3 and its byte-level BPE tokenizer (`k3rl init`, the `model:` section).
-2. **sft**: a supervised warm start on the search environment's oracle demonstrations (`k3rl sft`,
-   the `sft:` section) — it teaches the tool protocol and part of the task.
+2. **sft**: a supervised warm start on demonstrations of the search environment (`k3rl sft`, the
+   `sft:` section) — it teaches the tool protocol, the task, and (on purpose, see below) a bad habit.
 3. **rl**: GRPO (`rl.algo`) with the native engine on a local Ray cluster (`k3rl train`, the `rl:`
    section). The trainer evaluates the held-out tasks greedily at step 0 — the SFT policy, i.e.
    *before RL* — and after its last step, on the same tasks through the same workers.
 4. **report**: success before and after RL with 95% Wilson intervals, the difference with its
-   Newcombe (hybrid score) interval, `report.json` and `quickstart.png`.
+   Newcombe (hybrid score) interval, answer F1 and reward before/after, `report.json` and
+   `quickstart.png`.
 
 The default recipe (`configs/rl/quickstart.yaml`) asks "What colour is the rug kept by the
 sailor?" about a record hidden in a haystack of built-in Wikipedia passages, next to a near miss
 (another keeper or object, another colour), served behind `search` (`needle` with `serve=search`,
-`ask=colour`); results show the sentence that best matches the query. Why this task (measured on
-two cores, tiny K3 from scratch, SFT batch 8):
+`ask=colour`); results show the sentence that best matches the query. Success is exact match;
+the reward is the environment's (0.9 × answer F1 + 0.1 × evidence recall).
+
+What RL has to improve. In 60% of the SFT demonstrations the teacher hedges its final answer
+("grey, I think": `sft.hedging_rate`, `rl.sft.HedgingPolicy`), as a chatty teacher pads an answer
+field; the rest are the oracle's. The warm-started policy picks the habit up: greedy, it hedges
+every held-out answer, so exact match is 0 while F1 shows it read the right colour about 42% of the
+time. Only the reward says the hedge is wrong (F1 0.5 for a hedged right colour, 0.9 for a bare one),
+and GRPO with a small KL anchor to the SFT policy unlearns it in ~4 steps without breaking the tool
+format. Measured on two cores (`k3rl quickstart`, 476 s): 0/100 before RL [0, 0.037], 43/100 after
+10 steps [0.337, 0.528], difference +0.43 [+0.33, +0.53]; held-out F1 0.21 → 0.43. RL does not
+(yet) improve the reading itself: F1 after RL equals the share of colours read right before.
+
+Why this task and budget (same machine, tiny K3 from scratch, SFT batch 8):
 * "which Wikipedia article contains the words "…"?" over all 10,000 articles: after 250–300 SFT
   steps the loss is stuck at 2.3 nats per assistant token and 0/32 held-out — the model learns
-  the tool protocol (100% well-formed first turns) but not to copy arbitrary words from the
-  question or the results; over 8 or 48 fixed articles it memorises one trajectory and ignores
-  the question (4.5–8% held-out, the share of that article);
-* the colour question needs only closed-vocabulary words (12 keepers, 12 objects, 10 colours),
-  and with the question last in the prompt and one matching sentence per result, the words to
-  read are a few dozen tokens back — the range the tiny model learns to read within minutes:
-  120 SFT steps (2.5 min) give 48/100 held-out greedy (cosine decay; a constant lr gives 0/64).
-* RL has NOT yet been made to improve on that within the budget (the job's open part): 10 GRPO
-  steps (8 tasks × 8 samples) at lr 1e-4 leave held-out success at 48/100; lr 3e-4 and 5e-4
-  raise the sampled training success a little and break greedy decoding (11/100, 2/100).
+  the tool protocol but not to copy arbitrary words; the colour question needs only closed-vocabulary
+  words, and with the question last and one matching sentence per result the tiny model learns
+  it within 120 SFT steps (2.5 min): 48/100 held-out greedy with the oracle's demonstrations only.
+* From that pure-oracle warm start, RL does not move greedy success within 10 steps: its errors are
+  reading errors (it never copies the object into its query, and misreads some colours) that
+  640 episodes do not teach; lr 3e-4 / 5e-4 break the format (11/100, 2/100).
+* A closed-book teacher instead (`sft.closed_book_rate` 0.5–0.6: answer at once with a guess, so RL
+  would have to learn to search) halves the search demonstrations and the 120-step SFT no longer
+  learns to read (3–7% when searching); the hedge keeps every demonstration's reading intact.
 
 Everything lands in one run directory, `run.output_dir/run.name` (a `-2`, `-3`, … suffix when it
 exists already): `init/`, `sft/` (model, demos, loss), `rl/` (checkpoints, metrics.jsonl,
@@ -87,9 +99,10 @@ def report(rl_dir: Path, started: float) -> dict[str, Any]:
     return {
         "before": {"step": before["step"], "successes": k1, "tasks": n1, "success": k1 / n1,
                    "ci95": [before["eval/ci_low"], before["eval/ci_high"]],
-                   "reward": before.get("eval/reward_mean")},
+                   "reward": before.get("eval/reward_mean"), "f1": before.get("eval/f1")},
         "after": {"step": after["step"], "successes": k2, "tasks": n2, "success": k2 / n2,
-                  "ci95": [after["eval/ci_low"], after["eval/ci_high"]], "reward": after.get("eval/reward_mean")},
+                  "ci95": [after["eval/ci_low"], after["eval/ci_high"]], "reward": after.get("eval/reward_mean"),
+                  "f1": after.get("eval/f1")},
         "difference": k2 / n2 - k1 / n1, "difference_ci95": [low, high],
         "improved_beyond_ci": low > 0 and after["eval/ci_low"] > k1 / n1,
         "train_reward_first": train[0]["reward/mean"] if train else None,
@@ -141,7 +154,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"held-out success after RL (step {a['step']}):  {a['success']:.3f} = {a['successes']}/{a['tasks']} "
         f"[95% CI {a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}]",
         f"difference: {result['difference']:+.3f} [95% CI {lo:+.3f}, {hi:+.3f}] — {verdict}",
-    ]
+    ] + ([f"held-out answer F1: {b['f1']:.3f} → {a['f1']:.3f}; mean reward {b['reward']:.3f} → {a['reward']:.3f}"]
+         if b.get("f1") is not None and a.get("f1") is not None else [])
 
 
 def run_quickstart(cfg: Any) -> Path:

@@ -546,9 +546,10 @@ class Trainer:
         out = {"eval/success_rate": k / n, "eval/ci_low": low, "eval/ci_high": high, "eval/num_tasks": float(n),
                "eval/successes": float(k), "eval/reward_mean": float(np.mean([t.reward for t in results])),
                "eval/tool_calls": float(np.mean([t.metrics.get("tool_calls", 0.0) for t in results]))}
-        recall = [t.rewards["evidence_recall"] for t in results if "evidence_recall" in t.rewards]
-        if recall:
-            out["eval/evidence_recall"] = float(np.mean(recall))
+        for key in ("em", "f1", "evidence_recall"):  # the answer-quality components environments report
+            values = [t.rewards[key] for t in results if key in t.rewards]
+            if values:
+                out[f"eval/{key}"] = float(np.mean(values))
         return out
 
     # ---- checkpoints

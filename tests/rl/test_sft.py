@@ -308,6 +308,53 @@ def test_sft_teaches_the_tool_protocol(tiny_qwen3_dir, tmp_path):
     assert after["success"] >= 0.75, after
 
 
+def test_imperfect_teachers_mix_by_rate_and_are_scored_by_the_environment(k3_tokenizer):
+    """`closed_book_rate` / `hedging_rate`: those fractions of the tasks are played by a teacher that
+    answers at once with another task's answer, or that hedges the oracle's answer; the environment
+    scores them (a hedged answer is not an exact match); the draw is deterministic in the seed and
+    the other tasks keep the oracle's demonstrations unchanged."""
+    import envs
+    from envs.base import run_episode
+    from envs.tools import ToolCall, parse
+
+    tasks = toy_tasks(40, seed=3)
+    kw = dict(tasks=tasks, min_reward=0.0)
+    plain = collect_demonstrations("sft-toy-search", 40, 3, k3_tokenizer, **kw)
+    mixed = collect_demonstrations("sft-toy-search", 40, 3, k3_tokenizer, closed_book_rate=0.3, hedging_rate=0.3,
+                                   teacher_seed=7, **kw)
+    again = collect_demonstrations("sft-toy-search", 40, 3, k3_tokenizer, closed_book_rate=0.3, hedging_rate=0.3,
+                                   teacher_seed=7, **kw)
+    assert [r["input_ids"] for r in mixed.rows] == [r["input_ids"] for r in again.rows]
+    teachers = [r["teacher"] for r in mixed.rows]
+    assert 4 <= teachers.count("closed_book") <= 20 and 4 <= teachers.count("hedging") <= 20, teachers
+    assert mixed.summary()["teachers"] == {t: teachers.count(t) for t in set(teachers)}
+    assert "closed_book" in mixed.line() and "hedging" in mixed.line()
+    env = envs.make("sft-toy-search")
+    for row, base, task in zip(mixed.rows, plain.rows, tasks):
+        text = k3_tokenizer.decode([t for t, m in zip(row["input_ids"], row["assistant_masks"]) if m])
+        if row["teacher"] == "oracle":
+            assert row["input_ids"] == base["input_ids"]
+        elif row["teacher"] == "closed_book":
+            assert row["turns"] == 1 and "search" not in text and text.startswith("I will answer from memory.")
+            assert row["reward"] < 1.0 or task["answers"][0] in text  # a guess is right only by luck
+        else:
+            assert text.count("search") == base_text_count(k3_tokenizer, base, "search")
+            assert f'{task["answers"][0]}, I think' in text and row["reward"] < base["reward"]
+    # the hedging teacher scored by the environment itself: F1 only, no exact match
+    from rl.sft import HedgingPolicy
+
+    result = run_episode(env, tasks[0], HedgingPolicy(env.oracle(tasks[0]), env))
+    last = parse([m for m in result.messages if m["role"] == "assistant"][-1]["content"])
+    assert isinstance(last, ToolCall) and last.arguments["text"].endswith(", I think")
+    assert result.info["em"] == 0.0 and 0.0 < result.info["f1"] < 1.0
+    with pytest.raises(ValueError, match="closed_book_rate \\+ hedging_rate"):
+        collect_demonstrations("sft-toy-search", 4, 0, k3_tokenizer, closed_book_rate=0.6, hedging_rate=0.5)
+
+
+def base_text_count(tokenizer, row, word: str) -> int:
+    return tokenizer.decode([t for t, m in zip(row["input_ids"], row["assistant_masks"]) if m]).count(word)
+
+
 def test_bad_configs_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="sft.env: unknown environment 'no-such-env'"):
         main([str(write_job(tmp_path, "a", env="no-such-env"))])
@@ -323,4 +370,8 @@ def test_bad_configs_name_the_key(tmp_path):
         main([str(write_job(tmp_path, "e")), "sft.batch=4"])
     with pytest.raises(ConfigError, match="sft.grad_accum: must be > 0"):
         main([str(write_job(tmp_path, "f", grad_accum=0))])
+    with pytest.raises(ConfigError, match=r"sft.hedging_rate: must be in \[0, 1\), got 1.5"):
+        main([str(write_job(tmp_path, "g", hedging_rate=1.5))])
+    with pytest.raises(ConfigError, match=r"sft.closed_book_rate \+ sft.hedging_rate: must be < 1"):
+        main([str(write_job(tmp_path, "h", hedging_rate=0.6, closed_book_rate=0.5))])
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()

@@ -215,6 +215,7 @@ class Trainer:
         self.slots: list[_Slot] = []
         self.logger: Optional[MetricsLogger] = None
         try:
+            self._check_resources()
             learner_cfg = LearnerConfig.from_job(cfg, rl.model_path)
             self.learner = LearnerGroup(learner_cfg, num_ranks=rl.num_learners, num_cpus_per_rank=rl.learner_num_cpus,
                                         num_gpus_per_rank=rl.learner_num_gpus)
@@ -234,6 +235,20 @@ class Trainer:
                               f"{self.restored_trajectories} collected trajectories waiting)")
         if rl.eval_every > 0 and not self.eval_tasks:
             self.logger.print("[yellow]no held-out tasks left after removing training tasks: evaluation is off")
+
+    def _check_resources(self) -> None:
+        """The learner ranks and rollout workers all live at once: a cluster too small for them would
+        leave an actor pending forever, so say which keys ask for what instead."""
+        rl, have = self.rl, ray.cluster_resources()
+        for kind, learner, rollout in (("CPU", rl.learner_num_cpus, rl.rollout_num_cpus),
+                                       ("GPU", rl.learner_num_gpus, rl.rollout_num_gpus)):
+            need = rl.num_learners * learner + rl.num_rollout_workers * rollout
+            if need > have.get(kind, 0.0) + 1e-9:
+                key = "num_cpus" if kind == "CPU" else "num_gpus"
+                raise ConfigError(
+                    f"rl.num_learners × rl.learner_{key} + rl.num_rollout_workers × rl.rollout_{key} = "
+                    f"{rl.num_learners} × {learner:g} + {rl.num_rollout_workers} × {rollout:g} = {need:g} {kind}s, "
+                    f"but the Ray cluster has {have.get(kind, 0.0):g} (ray.num_cpus / ray.address)")
 
     def _check_config(self) -> None:
         rl = self.rl

@@ -210,6 +210,10 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
 
     with pytest.raises(ConfigError, match="rl.resume=true"):
         Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "sync"))
+    # actors the cluster cannot hold all at once: a named error, not a worker pending forever
+    with pytest.raises(ConfigError, match=r"1 × 2 \+ 1 × 2 = 4 CPUs, but the Ray cluster has 2 \(ray.num_cpus"):
+        Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "too-big", learner_num_cpus=2, rollout_num_cpus=2))
+    assert ray.is_initialized()  # the session's cluster: not the trainer's to shut down
 
 
 @pytest.mark.ray

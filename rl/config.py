@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
@@ -224,6 +224,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
             _check_keys(layer, schema, source)
             cfg = _merge(cfg, layer, source, schema)
     for item in overrides:
+        if item.startswith("~"):
+            cfg = _reset(cfg, item[1:], schema)
+            continue
         key, value = _parse_override(item)
         _check_keys(_nest(key, value), schema, f"override '{item}'")
         cfg = _merge(cfg, _nest(key, value), f"override '{item}'", schema)
@@ -271,6 +274,26 @@ def _parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def _reset(cfg: DictConfig, key: str, schema: type) -> DictConfig:
+    """`~dotted.key`: a schema field goes back to its default (a dict field is emptied, so the
+    overrides after it build a new one instead of merging into the recipe's); an entry of a free-form
+    dict (`~rl.env_args.length`) is removed."""
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"override '~{key}' is not of the form ~dotted.key")
+    defaults = OmegaConf.structured(schema)
+    parent_key, _, leaf = key.rpartition(".")
+    if OmegaConf.select(defaults, key, default=_MISSING) is not _MISSING:
+        default = OmegaConf.select(defaults, key)
+        value = OmegaConf.to_container(default) if isinstance(default, (DictConfig, ListConfig)) else default
+        OmegaConf.update(cfg, key, value, merge=False)
+        return cfg
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else None
+    if isinstance(parent, DictConfig) and leaf in parent:
+        del parent[leaf]
+        return cfg
+    raise ConfigError(f"override '~{key}': no config key '{key}' to reset")
 
 
 def _nest(key: str, value: Any) -> dict:

@@ -229,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"a YAML recipe (default {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rl.steps=10")
     args = parser.parse_args(argv)
-    if "=" in args.config:  # only overrides were given
+    if "=" in args.config or args.config.startswith("~"):  # only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], DEFAULT_CONFIG
     try:
         cfg = load_config(args.config, args.overrides, JobConfig)

@@ -27,6 +27,23 @@ def test_overrides_apply_with_types():
     assert cfg.model.num_experts is None
 
 
+def test_tilde_resets_a_key_so_a_dict_can_be_replaced():
+    """Overrides merge into a recipe's dicts; `~key` first resets the key (a dict to empty), so switching
+    environment on the command line does not keep the old environment's arguments."""
+    recipe = ROOT / "configs/rl/quickstart.yaml"
+    merged = load_config(recipe, ["rl.env=search", "rl.env_args.corpus=wiki"])
+    assert "ask" in merged.rl.env_args  # the needle's arguments are still there
+    cfg = load_config(recipe, ["~rl.env_args", "rl.env=search", "rl.env_args.corpus=wiki"])
+    assert OmegaConf.to_container(cfg.rl.env_args) == {"corpus": "wiki"}
+    cfg = load_config(recipe, ["~rl.env_args.length", "~rl.lr", "~sft.hedging_rate"])
+    assert "length" not in cfg.rl.env_args and "ask" in cfg.rl.env_args
+    assert cfg.rl.lr == load_config(None).rl.lr != merged.rl.lr and cfg.sft.hedging_rate == 0.0
+    with pytest.raises(ConfigError, match="override '~rl.nope': no config key 'rl.nope' to reset"):
+        load_config(recipe, ["~rl.nope"])
+    with pytest.raises(ConfigError, match="not of the form ~dotted.key"):
+        load_config(recipe, ["~rl..lr"])
+
+
 def test_unknown_override_names_whole_key_and_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs/rl/quickstart.yaml", ["no.such.key=1"])

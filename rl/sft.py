@@ -10,6 +10,9 @@
    engine stops, so no EOS follows it; a turn without a call would end with the EOS the model
    samples (mask 1). The terminal tool's result is left out, as the agent loop leaves it out.
    The transcript is never re-templated as a whole, so what SFT trains is what rollouts see.
+   Imperfect teachers can stand in for the oracle on a seeded fraction of the tasks
+   (`sft.closed_book_rate`: answer at once with a guess; `sft.hedging_rate`: the oracle's episode
+   with a hedged answer), so that SFT leaves RL something only the reward can teach.
 2. Training. The pre-tokenised dataset (`input_ids`, `assistant_masks`) goes to `SFTTrainer`,
    whose preparation turns the mask into `labels` (-100 where the mask is 0) and whose collator
    right-pads batches. Two things differ from TRL's own loss path:
@@ -171,10 +174,6 @@ def _terminal_call(env, messages: Sequence[dict[str, Any]]):
     call = parse(last["content"]) if last is not None else None
     spec = env.tool_specs().get(call.name) if isinstance(call, ToolCall) else None
     return call if spec is not None and spec.terminal else None
-
-
-TEACHERS = ("oracle", "closed_book", "hedging")
-"""Who demonstrates a task: the environment's oracle, `ClosedBookPolicy` or `HedgingPolicy`."""
 
 
 def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwargs: dict | None = None, *,

@@ -332,6 +332,9 @@ PROMPT_SEARCH = (
     'If the collection does not contain the answer, answer "unanswerable".\n\nQuestion: {question}'
 )
 
+PROMPT_SEARCH_MINIMAL = 'Search the passages, then answer with the answer alone (or "unanswerable").\n\nQuestion: {question}'
+"""The search prompt of `tool_prompt="minimal"`: the task without the prose."""
+
 
 def _line(pid: str, text: str) -> str:
     return f"[{pid}] {text}"
@@ -513,7 +516,8 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
         return super().reset(self.current.search_task())
 
     def prompt(self, task: Mapping[str, Any]) -> str:
-        return PROMPT_SEARCH.format(question=task["question"])
+        template = PROMPT_SEARCH_MINIMAL if self.tool_prompt == "minimal" else PROMPT_SEARCH
+        return template.format(question=task["question"])
 
     def metrics(self) -> dict[str, Any]:
         inst = self.current

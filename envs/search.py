@@ -106,7 +106,8 @@ class SearchEnv(Env):
             evidence_weight: share of the reward given to evidence recall.
             questions: the kind of question ``tasks`` makes: ``description`` or ``quote``.
             oracle_k: the ``k`` of the oracle's searches (its demonstrations teach it).
-            tool_prompt: how the system message lists the tools, ``json`` or ``compact``.
+            tool_prompt: how the system message lists the tools, ``json``, ``compact`` or ``minimal``
+                (envs/tools.py `render_tools_prompt`).
             quote_articles: ``quote`` questions about this many fixed articles only (None: all).
             snippet: what a result shows of its passage: ``head`` (its beginning) or ``match``
                 (the sentence sharing most words with the query, as search engines highlight).

@@ -179,6 +179,9 @@ class SFTConfig:
     """Fraction of the tasks demonstrated by a teacher that hedges the oracle's final answer
     ("grey" → "grey, I think"; `rl.sft.HedgingPolicy`); kept whatever their reward. The quickstart
     uses it so that SFT leaves a habit that only the reward shows to be wrong."""
+    hedge: str = ", I think"
+    """What the hedging teacher appends to its answer. A longer hedge earns less F1 credit (", I
+    think": 0.5; ", I think, but I am not sure": 0.22), so the reward tells it from a bare answer more clearly."""
     max_steps: int = 100
     """Optimizer steps; 0 or less trains for `epochs` epochs instead."""
     epochs: float = 1.0

@@ -87,9 +87,25 @@ def _phase(title: str, started: float) -> None:
     print(f"\n== {title} [{time.perf_counter() - started:.0f} s]", flush=True)
 
 
-def report(rl_dir: Path, started: float) -> dict[str, Any]:
-    """Before/after numbers from the RL run's metrics (the step-0 and the last evaluation)."""
+def collapses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Training steps where the policy fell apart: mean reward below half the best earlier step's,
+    with at least half of the groups scoring all their samples alike (nothing left to learn from)."""
+    out, best = [], None
+    for r in (r for r in rows if "reward/mean" in r):
+        reward, zero_var = r["reward/mean"], r.get("groups/zero_variance_frac", 0.0)
+        if best is not None and best > 0 and reward < 0.5 * best and zero_var >= 0.5:
+            out.append({"step": r["step"], "reward": reward, "best_reward_before": best,
+                        "zero_variance_frac": zero_var, "kl_ref": r.get("train/kl_ref")})
+        best = reward if best is None else max(best, reward)
+    return out
+
+
+def report(rl_dir: Path, started: float, hedge: str = "", success_key: str = "em") -> dict[str, Any]:
+    """Before/after numbers from the RL run's metrics (the step-0 and the last evaluation), what
+    the held-out episodes did differently (`rl.transcripts.behaviour`), a few of them side by side,
+    and any training collapse."""
     from rl.metrics import read_metrics
+    from rl.transcripts import behaviour, eval_path, read_eval_episodes, side_by_side
 
     rows = read_metrics(rl_dir)
     evals = [r for r in rows if "eval/success_rate" in r]
@@ -100,23 +116,34 @@ def report(rl_dir: Path, started: float) -> dict[str, Any]:
     k2, n2 = int(after["eval/successes"]), int(after["eval/num_tasks"])
     low, high = newcombe_interval(k1, n1, k2, n2)
     train = [r for r in rows if "reward/mean" in r]
-    return {
-        "before": {"step": before["step"], "successes": k1, "tasks": n1, "success": k1 / n1,
-                   "ci95": [before["eval/ci_low"], before["eval/ci_high"]],
-                   "reward": before.get("eval/reward_mean"), "f1": before.get("eval/f1")},
-        "after": {"step": after["step"], "successes": k2, "tasks": n2, "success": k2 / n2,
-                  "ci95": [after["eval/ci_low"], after["eval/ci_high"]], "reward": after.get("eval/reward_mean"),
-                  "f1": after.get("eval/f1")},
+
+    def part(r: dict[str, Any], k: int, n: int) -> dict[str, Any]:
+        return {"step": r["step"], "successes": k, "tasks": n, "success": k / n,
+                "ci95": [r["eval/ci_low"], r["eval/ci_high"]], "reward": r.get("eval/reward_mean"),
+                "f1": r.get("eval/f1")}
+
+    result: dict[str, Any] = {
+        "before": part(before, k1, n1), "after": part(after, k2, n2),
         "difference": k2 / n2 - k1 / n1, "difference_ci95": [low, high],
         "improved_beyond_ci": low > 0 and after["eval/ci_low"] > k1 / n1,
         "train_reward_first": train[0]["reward/mean"] if train else None,
         "train_reward_last": train[-1]["reward/mean"] if train else None,
-        "seconds": time.perf_counter() - started,
+        "collapses": collapses(rows),
     }
+    files = [eval_path(rl_dir, r["step"]) for r in (before, after)]
+    if all(f.is_file() for f in files):
+        episodes = [read_eval_episodes(f) for f in files]
+        result["before"]["behaviour"] = behaviour(episodes[0], hedge=hedge)
+        result["after"]["behaviour"] = behaviour(episodes[1], hedge=hedge)
+        result["transcripts"] = side_by_side(*episodes, k=3, success_key=success_key)
+    result["seconds"] = time.perf_counter() - started
+    return result
 
 
 def plot_report(result: dict[str, Any], rl_dir: Path, path: Path) -> None:
-    """PNG: held-out success before/after RL with 95% intervals, and the training reward per step."""
+    """PNG: held-out success (95% intervals), answer F1 and reward before/after RL; the training
+    rollouts per step (reward, sampled success, groups with nothing to learn); the KL to the SFT
+    policy and the gradient norm per step, with any collapse marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,42 +151,110 @@ def plot_report(result: dict[str, Any], rl_dir: Path, path: Path) -> None:
 
     from rl.metrics import read_metrics
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    names, parts = ["before RL\n(after SFT)", "after RL"], [result["before"], result["after"]]
-    values = [p["success"] for p in parts]
-    errs = [[max(0.0, p["success"] - p["ci95"][0]) for p in parts], [max(0.0, p["ci95"][1] - p["success"]) for p in parts]]
-    a.bar(names, values, yerr=errs, capsize=8, color=["#9aa5b1", "#2b8a3e"])
-    for i, p in enumerate(parts):
-        a.text(i, p["ci95"][1] + 0.02, f"{p['successes']}/{p['tasks']}", ha="center")
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 3.9))
+    parts = [result["before"], result["after"]]
+    metrics = [("success", "success"), ("f1", "answer F1"), ("reward", "reward")]
+    width = 0.38
+    for j, (p, label, colour) in enumerate(zip(parts, ["before RL (SFT)", "after RL"], ["#9aa5b1", "#2b8a3e"])):
+        xs = [i + (j - 0.5) * width for i in range(len(metrics))]
+        values = [p.get(key) or 0.0 for key, _ in metrics]
+        a.bar(xs, values, width, color=colour, label=label)
+        lo, hi = p["ci95"]
+        a.errorbar([xs[0]], [p["success"]], yerr=[[max(0.0, p["success"] - lo)], [max(0.0, hi - p["success"])]],
+                   fmt="none", ecolor="black", capsize=6)
+        a.text(xs[0], hi + 0.02, f"{p['successes']}/{p['tasks']}", ha="center", fontsize=8)
+    a.set_xticks(range(len(metrics)), [name for _, name in metrics])
     a.set_ylim(0, 1.1)
-    a.set_ylabel("held-out success (95% Wilson CI)")
-    a.set_title("greedy success on held-out tasks")
+    a.set_title("held-out, greedy (success with 95% Wilson CI)")
+    a.legend(fontsize=8, loc="upper left")
+
     rows = [r for r in read_metrics(rl_dir) if "reward/mean" in r]
-    b.plot([r["step"] for r in rows], [r["reward/mean"] for r in rows], marker="o", label="reward")
-    b.plot([r["step"] for r in rows], [r["success/rate"] for r in rows], marker="s", label="success (sampled)")
+    steps = [r["step"] for r in rows]
+    b.plot(steps, [r["reward/mean"] for r in rows], marker="o", label="reward")
+    b.plot(steps, [r["success/rate"] for r in rows], marker="s", label="success (sampled)")
+    b.plot(steps, [r.get("groups/zero_variance_frac", 0.0) for r in rows], marker="x", ls=":",
+           label="groups with equal rewards")
     b.set_xlabel("RL step")
     b.set_title("training rollouts")
     b.set_ylim(0, 1.05)
     b.grid(alpha=0.3)
-    b.legend()
+    b.legend(fontsize=8)
+
+    c.plot(steps, [r.get("train/kl_ref", 0.0) for r in rows], marker="o", color="#c92a2a", label="KL to SFT policy")
+    c.set_xlabel("RL step")
+    c.set_ylabel("KL (k3, per token)")
+    c2 = c.twinx()
+    c2.plot(steps, [r.get("train/grad_norm", 0.0) for r in rows], marker=".", ls="--", color="#495057",
+            label="grad norm")
+    c2.set_ylabel("grad norm")
+    for x in result.get("collapses", []):
+        c.axvline(x["step"], color="#c92a2a", alpha=0.3, lw=6)
+        b.axvline(x["step"], color="#c92a2a", alpha=0.3, lw=6)
+    c.set_title("policy drift" + (" (collapse marked)" if result.get("collapses") else ""))
+    c.grid(alpha=0.3)
+    lines = c.get_legend_handles_labels()[0] + c2.get_legend_handles_labels()[0]
+    c.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+def _share(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def learned_lines(result: dict[str, Any]) -> list[str]:
+    """What the held-out episodes did differently after RL, in words."""
+    b, a = result["before"].get("behaviour"), result["after"].get("behaviour")
+    if not b or not a:
+        return []
+    parts = []
+    if "hedged" in b:
+        parts.append(f"hedged answers {_share(b['hedged'])} → {_share(a['hedged'])}")
+    parts += [f"answers holding the right answer {_share(b['contains_gold'])} → {_share(a['contains_gold'])}",
+              f"searched before answering {_share(b['searched'])} → {_share(a['searched'])}",
+              f"ended with an answer {_share(b['answered'])} → {_share(a['answered'])}"]
+    return ["what changed in the held-out episodes: " + "; ".join(parts)]
+
+
+def advice_lines(result: dict[str, Any]) -> list[str]:
+    """When RL did not beat the interval: what to try, from what the run shows."""
+    if result["improved_beyond_ci"]:
+        return []
+    out = []
+    for x in result.get("collapses", []):
+        out.append(f"training collapsed at step {x['step']} (reward {x['reward']:.3f}, best before "
+                   f"{x['best_reward_before']:.3f}; {_share(x['zero_variance_frac'])} of the groups scored all "
+                   f"samples alike): try a smaller step, e.g. rl.lr=5e-5, or a stronger anchor, "
+                   f"rl.algo_args.kl_coef=0.2")
+    if not out:
+        out.append("no collapse: try more steps (rl.steps=2×) or another seed (run.seed=1); "
+                   "`python bench/quickstart_seeds.py` measures how often the recipe improves")
+    return ["what to try: " + line for line in out]
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     b, a = result["before"], result["after"]
     lo, hi = result["difference_ci95"]
-    verdict = ("RL improved held-out success beyond the confidence intervals" if result["improved_beyond_ci"]
-               else "RL did NOT improve held-out success beyond the confidence intervals")
-    return [
+    if result["improved_beyond_ci"]:
+        verdict = (f"RL improved held-out success beyond the confidence intervals (the difference's 95% interval "
+                   f"excludes 0, and after RL the lower bound {a['ci95'][0]:.3f} is above the {b['success']:.3f} "
+                   f"before)")
+    else:
+        verdict = "RL did NOT improve held-out success beyond the confidence intervals"
+    lines = [
         f"held-out success before RL (SFT policy): {b['success']:.3f} = {b['successes']}/{b['tasks']} "
         f"[95% CI {b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]",
         f"held-out success after RL (step {a['step']}):  {a['success']:.3f} = {a['successes']}/{a['tasks']} "
         f"[95% CI {a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}]",
         f"difference: {result['difference']:+.3f} [95% CI {lo:+.3f}, {hi:+.3f}] — {verdict}",
-    ] + ([f"held-out answer F1: {b['f1']:.3f} → {a['f1']:.3f}; mean reward {b['reward']:.3f} → {a['reward']:.3f}"]
-         if b.get("f1") is not None and a.get("f1") is not None else [])
+    ]
+    if b.get("f1") is not None and a.get("f1") is not None:
+        lines.append(f"held-out answer F1: {b['f1']:.3f} → {a['f1']:.3f}; mean reward {b['reward']:.3f} → "
+                     f"{a['reward']:.3f}")
+    for x in result.get("collapses", []):
+        lines.append(f"collapse at step {x['step']}: training reward {x['reward']:.3f} after {x['best_reward_before']:.3f}")
+    return lines + learned_lines(result) + advice_lines(result)
 
 
 def run_quickstart(cfg: Any) -> Path:
@@ -208,9 +303,14 @@ def run_quickstart(cfg: Any) -> Path:
     rl_dir = trainer.train()
 
     _phase("4/4 report", started)
-    result = report(rl_dir, started)
+    from rl.transcripts import markdown
+
+    result = report(rl_dir, started, hedge=sft.hedge if sft.hedging_rate > 0 else "",
+                    success_key=rl.success_key)
     result["run_dir"] = str(run_dir.resolve())
     (run_dir / "report.json").write_text(json.dumps(result, indent=1))
+    if result.get("transcripts"):
+        (run_dir / "transcripts.md").write_text(markdown(result["transcripts"]))
     plot_report(result, rl_dir, run_dir / "quickstart.png")
     for line in summary_lines(result):
         print(line, flush=True)

@@ -147,12 +147,14 @@ class ClosedBookPolicy:
 class HedgingPolicy:
     """A teacher that plays `oracle` but hedges its final answer: the first text argument of the
     terminal call gets `suffix` ("grey" → "grey, I think"), which exact match does not accept and F1
-    scores lower, as a chatty model pads the answer field."""
+    scores lower (the longer the hedge, the lower), as a chatty model pads the answer field."""
 
     suffix = ", I think"
 
-    def __init__(self, oracle, env):
+    def __init__(self, oracle, env, suffix: str | None = None):
         self.oracle, self.env = oracle, env
+        if suffix is not None:
+            self.suffix = suffix
 
     def __call__(self, messages: list[dict[str, Any]]) -> str:
         from envs.tools import TOOL_CALL_START, format_call
@@ -180,7 +182,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
                            tasks: Sequence[Any] | None = None, min_reward: float = 1.0,
                            max_length: int | None = None, max_turn_tokens: int | None = None,
                            max_turns: int | None = None, closed_book_rate: float = 0.0, hedging_rate: float = 0.0,
-                           teacher_seed: int = 0) -> DemoReport:
+                           hedge: str = HedgingPolicy.suffix, teacher_seed: int = 0) -> DemoReport:
     """Play the oracle of `env_name` on `tasks` (default: `env.tasks(n, seed)`) and render the
     successful episodes (see `render_demonstration`).
 
@@ -217,7 +219,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
         if teacher[i] == "oracle" or not solved[i]:
             continue
         if teacher[i] == "hedging":
-            results[i] = run_episode(env, task, HedgingPolicy(env.oracle(task), env), budget, count)
+            results[i] = run_episode(env, task, HedgingPolicy(env.oracle(task), env, hedge), budget, count)
         else:
             others = [c for j, c in calls if j != i]
             if not others:
@@ -523,6 +525,9 @@ def _check(cfg) -> None:
     if sft.closed_book_rate + sft.hedging_rate >= 1.0:
         raise ConfigError(f"sft.closed_book_rate + sft.hedging_rate: must be < 1 (some tasks are the oracle's), got "
                           f"{sft.closed_book_rate} + {sft.hedging_rate}")
+    if sft.hedging_rate > 0 and not sft.hedge.strip():
+        raise ConfigError("sft.hedge: empty, so the hedging teacher would answer as the oracle does; give it a "
+                          "hedge such as ', I think' or set sft.hedging_rate=0")
     if sft.eval_tasks < 0:
         raise ConfigError(f"sft.eval_tasks: must be ≥ 0, got {sft.eval_tasks}")
     if cfg.run.device not in ("cpu", "cuda"):
@@ -557,7 +562,7 @@ def run_sft(cfg) -> Path:
                                         min_reward=sft.min_reward, max_length=rl.max_context_tokens,
                                         max_turn_tokens=rl.max_new_tokens, max_turns=rl.max_turns,
                                         closed_book_rate=sft.closed_book_rate, hedging_rate=sft.hedging_rate,
-                                        teacher_seed=task_seed)
+                                        hedge=sft.hedge, teacher_seed=task_seed)
     except NotImplementedError as e:
         raise ConfigError(f"environment {env_name!r}: {e}") from None
     print(report.line() + f" [{time.perf_counter() - started:.1f} s]", flush=True)

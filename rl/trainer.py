@@ -59,7 +59,8 @@ of MoE models, …), `perf/*` (step time, time waiting for rollouts, training an
 time; `gen_tokens_per_s` = tokens sampled by the collections that arrived during the step ÷ the
 step's wall time, `train_tokens_per_s` from the learner), `eval/*` on evaluation steps, and
 `batch` / `dropped`: [group_id, trajectories, oldest policy version] of every group trained or
-dropped. Callbacks `fn(trainer, StepResult)` run after each step is logged and saved.
+dropped. Callbacks `fn(trainer, StepResult)` run after each step is logged and saved. Every
+held-out evaluation also writes its episodes as text to `eval/step_NNNN.jsonl` (`rl/transcripts.py`).
 
 `rl.model_path` is the initial policy (an HF directory: `k3rl init`, an SFT output, or any HF
 causal LM). Training tasks are `env.tasks(rl.num_tasks, seed=run.seed)` or the JSONL file
@@ -88,6 +89,7 @@ from rl.cluster import init_ray
 from rl.config import ConfigError, JobConfig, load_config, to_yaml
 from rl.metrics import METRICS_FILE, MetricsLogger, plot, wilson_interval
 from rl.tasks import make_tasks, task_key
+from rl.transcripts import write_eval_episodes
 from rollout.worker import RolloutWorker, WorkerSpec
 
 
@@ -207,6 +209,7 @@ class Trainer:
         self._eval_pending: deque[list[tuple[str, Any]]] = deque()
         self._eval_results: list = []
         self._gen_tokens = 0
+        self._tok: Any = None
 
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray)
@@ -555,6 +558,7 @@ class Trainer:
                     self._dispatch(slot, "eval", self._eval_pending.popleft())
             self._wait()
         results, self._eval_results = self._eval_results, []
+        write_eval_episodes(self.run_dir, self.step, results, self._tokenizer())
         n = len(results)
         k = sum(self._success(t) for t in results)
         low, high = wilson_interval(k, n)
@@ -566,6 +570,14 @@ class Trainer:
             if values:
                 out[f"eval/{key}"] = float(np.mean(values))
         return out
+
+    def _tokenizer(self) -> Any:
+        """The policy's tokenizer (for the held-out transcripts), loaded on first use."""
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(str(self.rl.model_path))
+        return self._tok
 
     # ---- checkpoints
 

@@ -212,3 +212,21 @@ def test_needle_colour_behind_search_is_solved_in_one_search():
         assert '"k": 1' in calls[0] and len(calls) == 2
         solved += result.info["em"] == 1.0
     assert solved >= 95
+
+
+
+def test_minimal_prompt_for_models_trained_from_scratch():
+    """`tool_prompt="minimal"`: the call syntax and bare signatures, a one-line task, less than half
+    the characters of `compact`; the oracle still solves the episodes through it."""
+    kw = dict(serve="search", source="wiki", length=1200, ask="colour", distractors=0, paraphrase_rate=0.0,
+              unanswerable_rate=0.0, max_k=5, oracle_k=1)
+    compact, minimal = make("needle", tool_prompt="compact", **kw), make("needle", tool_prompt="minimal", **kw)
+    task = compact.tasks(1, seed=3)[0]
+    (c_sys, c_user), (m_sys, m_user) = (run_episode(e, task, e.oracle(task)).messages[:2] for e in (compact, minimal))
+    assert m_sys["content"].splitlines()[1:] == ["- search(query: string, k: integer = 5)",
+                                                 "- open(doc_id: string, offset: integer = 0)", "- answer(text: string)"]
+    assert "<tool_call>" in m_sys["content"] and "`answer` ends the conversation" in m_sys["content"]
+    assert m_user["content"].endswith(c_user["content"].split("\n\n")[-1])  # the same question
+    assert len(m_sys["content"]) + len(m_user["content"]) < (len(c_sys["content"]) + len(c_user["content"])) / 2
+    solved = sum(run_episode(minimal, t, minimal.oracle(t)).info["em"] == 1.0 for t in minimal.tasks(40, seed=5))
+    assert solved >= 38

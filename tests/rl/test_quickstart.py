@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.quickstart import main, newcombe_interval
+from rl.quickstart import collapses, main, newcombe_interval, summary_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,15 +86,49 @@ def test_make_tasks_names_the_keys_when_the_env_cannot():
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # ~6 min on an idle 2-core machine; room for a loaded one
 def test_the_default_recipe_learns_beyond_its_confidence_interval(tmp_path):
     """The main job itself (`make run`'s recipe, ~8 min on 2 cores): after RL the held-out greedy
     success beats the SFT policy's by more than the difference's 95% interval, and the gain is the
     habit RL was given to unlearn (hedged answers): F1 rises with it."""
     # a process of its own, as `make run` runs it: its own local Ray cluster (the session's has 2 CPUs)
     done = subprocess.run([sys.executable, "-m", "rl.quickstart", f"run.output_dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=2600)
     print(done.stdout[-800:], done.stderr[-2000:])
     assert done.returncode == 0
     report = json.loads((tmp_path / "quickstart" / "report.json").read_text())
     assert report["improved_beyond_ci"], report
     assert report["difference_ci95"][0] > 0 and report["after"]["f1"] > report["before"]["f1"]
+
+
+def _result(k1, k2, n=100, collapse=()):
+    from rl.metrics import wilson_interval
+
+    low, high = newcombe_interval(k1, n, k2, n)
+    part = lambda k, step: {"step": step, "successes": k, "tasks": n, "success": k / n,  # noqa: E731
+                            "ci95": list(wilson_interval(k, n)), "f1": 0.2, "reward": 0.3}
+    return {"before": part(k1, 0), "after": part(k2, 8), "difference": (k2 - k1) / n,
+            "difference_ci95": [low, high], "improved_beyond_ci": low > 0 and wilson_interval(k2, n)[0] > k1 / n,
+            "collapses": list(collapse)}
+
+
+def test_a_collapse_is_found_in_the_training_curve_and_named_with_what_to_try():
+    # the run of issue 11: reward 0.12, 0.15, then 7 of 8 groups all zero
+    rows = [{"step": 0, "eval/success_rate": 0.0},
+            {"step": 1, "reward/mean": 0.12, "groups/zero_variance_frac": 0.0},
+            {"step": 2, "reward/mean": 0.149, "groups/zero_variance_frac": 0.0},
+            {"step": 3, "reward/mean": 0.0016, "groups/zero_variance_frac": 0.875, "train/kl_ref": 0.13},
+            {"step": 4, "reward/mean": 0.10, "groups/zero_variance_frac": 0.25}]
+    (c,) = collapses(rows)
+    assert c["step"] == 3 and c["best_reward_before"] == 0.149 and c["kl_ref"] == 0.13
+    assert collapses(rows[:3]) == []  # a noisy but healthy curve is not a collapse
+    text = "\n".join(summary_lines(_result(0, 0, collapse=[c])))
+    assert "did NOT improve" in text and "collapse at step 3" in text
+    assert "what to try: training collapsed at step 3" in text and "rl.lr=" in text
+
+
+def test_no_improvement_without_collapse_suggests_more_steps_or_another_seed():
+    text = "\n".join(summary_lines(_result(10, 14)))
+    assert "did NOT improve" in text and "rl.steps" in text and "run.seed" in text
+    good = "\n".join(summary_lines(_result(0, 40)))
+    assert "RL improved held-out success beyond the confidence intervals" in good and "what to try" not in good

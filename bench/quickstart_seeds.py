@@ -107,7 +107,9 @@ def run_one(seed: int, path: str, out: Path, overrides: list[str], timeout: floa
                    improved=bool(r["improved_beyond_ci"]), f1_before=r["before"].get("f1"),
                    f1_after=r["after"].get("f1"), collapses=len(r.get("collapses", [])),
                    hedged_before=r["before"].get("behaviour", {}).get("hedged"),
-                   hedged_after=r["after"].get("behaviour", {}).get("hedged"))
+                   hedged_after=r["after"].get("behaviour", {}).get("hedged"),
+                   gold_before=r["before"].get("behaviour", {}).get("contains_gold"),
+                   gold_after=r["after"].get("behaviour", {}).get("contains_gold"))
     else:
         row["improved"] = False
     return row
@@ -115,18 +117,20 @@ def run_one(seed: int, path: str, out: Path, overrides: list[str], timeout: floa
 
 def row_line(r: dict) -> str:
     if "before" not in r:
-        return f"| {r['seed']} | {r['path']} | failed (rc {r['rc']}, see {r['log']}) | | | | | {r['wall_s']:.0f} |"
+        return f"| {r['seed']} | {r['path']} | failed (rc {r['rc']}, see {r['log']}) |{' |' * 6} {r['wall_s']:.0f} |"
     lo, hi = r["difference_ci95"]
     f1 = f"{r['f1_before']:.2f} → {r['f1_after']:.2f}" if r.get("f1_before") is not None else "—"
-    hedged = (f"{100 * r['hedged_before']:.0f}% → {100 * r['hedged_after']:.0f}%"
-              if r.get("hedged_before") is not None else "—")
+    def shares(key: str) -> str:
+        b, a = r.get(f"{key}_before"), r.get(f"{key}_after")
+        return f"{100 * b:.0f}% → {100 * a:.0f}%" if b is not None and a is not None else "—"
+
     return (f"| {r['seed']} | {r['path']} | {r['before']}/{r['tasks']} | {r['after']}/{r['tasks']} | "
             f"{r['difference']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {'yes' if r['improved'] else '**no**'} | {f1} | "
-            f"{hedged} | {r['wall_s']:.0f} |")
+            f"{shares('hedged')} | {shares('gold')} | {r['wall_s']:.0f} |")
 
 
-HEADER = ["| seed | code path | before RL | after RL | difference [95% CI] | beyond CI | F1 | hedged | wall s |",
-          "|---|---|---|---|---|---|---|---|---|"]
+HEADER = ["| seed | code path | before RL | after RL | difference [95% CI] | beyond CI | F1 | hedged | right colour "
+          "in the answer | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,37 +12,34 @@ that measurably learns, on the CPU in minutes.
    `quickstart.png`.
 
 The default recipe (`configs/rl/quickstart.yaml`) asks "What colour is the rug kept by the
-sailor?" about a record hidden in a haystack of built-in Wikipedia passages, next to a near miss
-(another keeper or object, another colour), served behind `search` (`needle` with `serve=search`,
-`ask=colour`); results show the sentence that best matches the query. Success is exact match;
-the reward is the environment's (0.9 × answer F1 + 0.1 × evidence recall).
+sailor?" about a record hidden in a haystack of built-in Wikipedia passages, served behind
+`search` (`needle` with `serve=search`, `ask=colour`, no near miss); results show the sentence
+that best matches the query; the system message is the `minimal` tool list. Success is exact
+match; the reward is the environment's (0.9 × answer F1 + 0.1 × evidence recall).
 
-What RL has to improve. In 60% of the SFT demonstrations the teacher hedges its final answer
-("grey, I think": `sft.hedging_rate`, `rl.sft.HedgingPolicy`), as a chatty teacher pads an answer
-field; the rest are the oracle's. The warm-started policy picks the habit up: greedy, it hedges
-every held-out answer, so exact match is 0 while F1 shows it read the right colour about 42% of the
-time. Only the reward says the hedge is wrong (F1 0.5 for a hedged right colour, 0.9 for a bare one),
-and GRPO with a small KL anchor to the SFT policy unlearns it in ~4 steps without breaking the tool
-format. Measured on two cores (`make run` in a fresh clone, 9 min 11 s with the `.venv` build; the
-job 431 s): 0/100 before RL [0, 0.037], 41/100 after 8 steps [0.319, 0.508], difference +0.41
-[+0.31, +0.51]; held-out F1 0.21 → 0.41 (held-out success by step at lr 2e-4: 0, 7, 39, 41, 42, 43
-/100 at steps 0, 2, 4, 6, 8, 10). RL does not (yet) improve the reading itself: F1 after RL equals the
-share of colours read right before.
+What RL has to improve. In 55% of the SFT demonstrations the teacher hedges its final answer
+("grey, I think": `sft.hedging_rate`, `sft.hedge`, `rl.sft.HedgingPolicy`); the rest are the
+oracle's. The warm-started policy picks the habit up and hedges about half of its held-out answers,
+which exact match rejects. Only the reward says the hedge is wrong (F1 0.5 for a hedged right
+colour, 1.0 for a bare one) and GRPO with a small KL anchor to the SFT policy unlearns it. This is
+the planted habit, not new knowledge: RL does not teach the model to read (on the run below the
+share of answers holding the right colour fell from 84% to 64% while the hedge went from 53% to 0%).
 
-Why this task and budget (same machine, tiny K3 from scratch, SFT batch 8):
-* "which Wikipedia article contains the words "…"?" over all 10,000 articles: after 250–300 SFT
-  steps the loss is stuck at 2.3 nats per assistant token and 0/32 held-out — the model learns
-  the tool protocol but not to copy arbitrary words; the colour question needs only closed-vocabulary
-  words, and with the question last and one matching sentence per result the tiny model learns
-  it within 120 SFT steps (2.5 min): 48/100 held-out greedy with the oracle's demonstrations only.
-* From that pure-oracle warm start, RL does not move greedy success within 10 steps: its errors are
-  reading errors (it never copies the object into its query, and misreads some colours) that
-  640 episodes do not teach; lr 3e-4 / 5e-4 break the format (11/100, 2/100).
-* A closed-book teacher instead (`sft.closed_book_rate`: answer at once with a guess, so RL would
-  have to learn to search) takes search demonstrations away, and the 120-step SFT no longer learns
-  to read: at rate 0.6 the greedy policy never searches (7/100, guesses) and 10 GRPO steps at lr 1e-4
-  or 5e-4 leave it so; at 0.5 without the near miss it searches on 76% of tasks and still scores
-  7/100. The hedge keeps every demonstration's reading intact.
+What decides whether RL can show anything is SFT: the tiny model has to learn, in 120 steps, to copy
+the colour from the search result into its answer. Measured on a 2-core AVX2-only EPYC (issue 11),
+one run each, held-out share of answers holding the right colour after SFT (chance is 10%):
+* batch 8 (the previous recipe): seed 0 read 25–52% depending on prompt and near miss; seed 1
+  never (6–9%) with the compact or the minimal prompt, lr 1.5e-3 or 5e-3, batch 4 × 200 steps, or
+  the loss on every token; seed 2 never (6%). When the model cannot read, no hedge removal moves
+  exact match, and 8 GRPO steps leave the hedge in place (0/100 → 0/100, the issue's report).
+* batch 16: seed 1 read 85% (loss 0.032), seed 0 84%: the gradient noise of batch 8 is what kept the
+  copying from forming. It costs 2.4 s per step instead of 1.15.
+* the previous recipe's lr 2e-4 collapsed the tool format at step 3 on this machine (95% of episodes
+  truncated); lr 1e-4 left the hedge untouched after 8 steps; 1.5e-4 removes it.
+* `tool_prompt: minimal` (119 prompt tokens instead of 297) makes each SFT and learner step ~1.6×
+  cheaper; the near miss (`distractors: 1`) made reading harder still (25% vs 37% for seed 0).
+Measured, fresh clone, seed 0: 43/100 before RL [0.337, 0.528], 64/100 after [0.542, 0.727],
+difference +0.21 [+0.07, +0.34]; `bench/quickstart_seeds.py` runs other seeds and code paths.
 
 Everything lands in one run directory, `run.output_dir/run.name` (a `-2`, `-3`, … suffix when it
 exists already): `init/`, `sft/` (model, demos, loss), `rl/` (checkpoints, metrics.jsonl,

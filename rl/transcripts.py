@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 EVAL_DIR = "eval"
+HEADLINE = ("em", "f1", "evidence_recall")
+"""The reward components a transcript page shows (all of them when an environment has none of these)."""
 
 
 def eval_path(run_dir: str | Path, step: int) -> Path:
@@ -75,7 +77,8 @@ def markdown(pairs: Sequence[dict[str, Any]], before_label: str = "before RL",
     for p in pairs:
         out.append(f"## task {p['task_id']}")
         for label, r in ((before_label, p["before"]), (after_label, p["after"])):
-            scores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["rewards"].items()))
+            shown = {k: v for k, v in r["rewards"].items() if k in HEADLINE} or r["rewards"]
+            scores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(shown.items()))
             out += ["", f"**{label}** — reward {r['reward']:.3f} ({scores}; {r['finish_reason']})", "",
                     "```", r["text"].strip(), "```"]
         out.append("")

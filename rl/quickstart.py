@@ -312,6 +312,7 @@ def run_quickstart(cfg: Any) -> Path:
     for line in summary_lines(result):
         print(line, flush=True)
     print(f"total {result['seconds']:.0f} s; wrote {run_dir / 'report.json'}, {run_dir / 'quickstart.png'}, "
+          f"{run_dir / 'transcripts.md'} (held-out episodes before/after), "
           f"the RL checkpoint under {rl_dir / 'checkpoints'} and TensorBoard logs under {run_dir}", flush=True)
     return run_dir
 

@@ -5,7 +5,7 @@ Inputs look like a K3 KDA layer's: q, k L2-normalised in the kernel, β = σ(N(0
 (lb = -5) from `kda_gate` with A_log = log U(1, 16) and dt_bias = softplus⁻¹(dt), dt log-uniform in
 [1e-3, 1e-1] (fla's KDA initialisation).
 
-Compared with (docs PERFORMANCE.md): the compute floor of this machine. The run measures its own sgemm
+Compared with (docs/performance.md): the compute floor of this machine. The run measures its own sgemm
 rate (2048³, same thread count) and reports the chunked path's rate on the FLOP model
 6d² + 10Cd + ⅔C² per token per head (d = 128, C = 64) as a fraction of it. A speed-up is printed only
 where chunk and naive agree on that input (relative error of the outputs < 1e-3); the naive runs at every
@@ -36,7 +36,7 @@ NAIVE_BUDGET_S = 120.0
 
 
 def flops_per_token_head(d: int = D, c: int = C) -> float:
-    """PERFORMANCE.md's forward FLOP model of chunked KDA."""
+    """docs/performance.md's forward FLOP model of chunked KDA."""
     return 6 * d * d + 10 * c * d + 2 / 3 * c * c
 
 

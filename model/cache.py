@@ -1,4 +1,4 @@
-"""Hybrid decode cache of the K3 model: conv + KDA states and MLA latents (K3_SPEC §5.6, §6, §11).
+"""Hybrid decode cache of the K3 model: conv + KDA states and MLA latents (docs/model_spec.md §5.6, §6, §11).
 
 What one sequence keeps, per layer:
   * KDA layer: the conv state, the last W−1 raw q/k/v inputs `[3·H·K, W−1]` in the model dtype,

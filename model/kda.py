@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (K3_SPEC §4.3–4.4, §5): the linear-attention token mixer of K3.
+"""Kimi Delta Attention layer (docs/model_spec.md §4.3–4.4, §5): the linear-attention token mixer of K3.
 
     q̃, k̃, ṽ = W_q x, W_k x, W_v x                           [B, T, H·K]
     q, k, v  = SiLU(CausalConv(q̃)), SiLU(CausalConv(k̃)), SiLU(CausalConv(ṽ))

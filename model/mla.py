@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention (K3_SPEC §4.5, §6, §11): the full-attention token mixer of K3.
+"""Gated Multi-head Latent Attention (docs/model_spec.md §4.5, §6, §11): the full-attention token mixer of K3.
 
     c_q = RMSNorm(W_qa x);  q = W_qb c_q   (or q = W_q x when q_lora_rank is null)  → [q_nope ; q_pe] per head
     [kv_c ; k_pe] = W_kva x;  kv_c = RMSNorm(kv_c)          the latent: Lkv + dr values per token

@@ -1,4 +1,4 @@
-"""`K3ForCausalLM`: the K3 hybrid MoE text model as a Hugging Face `PreTrainedModel` (K3_SPEC §1, §3, §4).
+"""`K3ForCausalLM`: the K3 hybrid MoE text model as a Hugging Face `PreTrainedModel` (docs/model_spec.md §1, §3, §4).
 
     e = embed_tokens(ids)  (image patch embeddings replace the rows at media placeholders, §9)
     for each layer ℓ: token mixer = KDA if (ℓ+1) ∈ kda_layers else MLA; FFN = MoE or dense MLP;

@@ -1,6 +1,6 @@
 """Feed-forward blocks of K3: the dense MLP, the routed MoE, and loss-free router balancing.
 
-Checkpoint names and shapes are those of K3_SPEC §4.6 (`mlp.{gate,up,down}_proj`,
+Checkpoint names and shapes are those of docs/model_spec.md §4.6 (`mlp.{gate,up,down}_proj`,
 `block_sparse_moe.gate.{weight,e_score_correction_bias}`, `experts.{e}.w{1,2,3}`,
 `shared_experts.*`, `routed_expert_{down_proj,norm,up_proj}`); the math is §8:
 router logits in (at least) fp32 → sigmoid (or softmax) scores `s` → top-k of the biased scores `s + b`
@@ -14,7 +14,7 @@ replay ("R3" in RL): `MoE.forward(x, routed_expert_ids=ids)` uses the given ids 
 the top-k (weights still come from the current scores); every forward leaves the ids it used in
 `MoE.last_expert_ids` so rollouts can store them.
 
-Router balancing (K3_SPEC Part A) adjusts `e_score_correction_bias` after each optimizer step,
+Router balancing (docs/model_spec.md Part A) adjusts `e_score_correction_bias` after each optimizer step,
 from statistics the routers collect during that step's forward passes: `balance_routers(model)`.
 Quantile balancing (QB) gives expert j the bias change `Δb_j = −Q_{1−T/m}(a_ij − τ_ij)`, with
 `a = s + b`, `τ_ij` the k-th largest biased score among the other experts of token i and `T =

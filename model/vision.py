@@ -1,4 +1,4 @@
-"""Native image-patch input of K3 (K3_SPEC Part A "Multimodal input", §9 "Merging into text").
+"""Native image-patch input of K3 (docs/model_spec.md Part A "Multimodal input", §9 "Merging into text").
 
     pixel_values → raster-ordered p×p patches → linear projection to the hidden size
                  → written, in order, into the embedding rows at the media placeholder tokens

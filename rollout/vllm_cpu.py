@@ -1,6 +1,6 @@
 """vLLM on CPU hosts: the settings that make it start fast and run predictably on few cores.
 
-Measured on 2-core machines (ENVIRONMENT.md): the in-process engine starts in 2–3 s instead of
+Measured on 2-core machines (docs/environment.md): the in-process engine starts in 2–3 s instead of
 18–27 s; one OpenMP thread avoids bimodal throughput when anything else uses a core; a 1 GiB KV
 cache is plenty for tiny models. On a GPU host none of this applies and vLLM's defaults are used.
 These must be in the environment before vLLM is imported.

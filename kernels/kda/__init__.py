@@ -1,4 +1,4 @@
-"""Kimi Delta Attention ops (K3_SPEC §5): chunked (training/prefill), recurrent (decode), naive reference, gate.
+"""Kimi Delta Attention ops (docs/model_spec.md §5): chunked (training/prefill), recurrent (decode), naive reference, gate.
 
 Layer code calls `chunk_kda` for training and prefill and `fused_recurrent_kda` for decode steps that carry
 the state; both equal `naive_recurrent_kda`, the literal §5.3 recurrence. `kda_gate` makes the log decay g.

@@ -1,4 +1,4 @@
-"""Chunked KDA for training and prefill (K3_SPEC §5.5, §5.7): the WY / UT-transform form in plain PyTorch.
+"""Chunked KDA for training and prefill (docs/model_spec.md §5.5, §5.7): the WY / UT-transform form in plain PyTorch.
 
 Chunks of C = 64 tokens, split into four 16-token sub-chunks. With Γ_t the chunk-local cumsum of g and S₀
 the state entering the chunk (here stored as h = S₀ᵀ ∈ R^{K×V}):
@@ -78,7 +78,7 @@ def chunk_kda(
         scale: multiplies q; default K^-1/2.
         initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens); zeros if None.
         output_final_state: also return the state after the last token.
-        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (K3_SPEC §5.1; the K3 layer passes True).
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (docs/model_spec.md §5.1; the K3 layer passes True).
         cu_seqlens: int64 [N + 1] boundaries of N sequences packed along T (then B must be 1).
 
     Returns:

@@ -1,4 +1,4 @@
-"""KDA decay gate (K3_SPEC §5.2): the per-channel natural-log decay g ≤ 0 fed to the KDA ops.
+"""KDA decay gate (docs/model_spec.md §5.2): the per-channel natural-log decay g ≤ 0 fed to the KDA ops.
 
     z[h, c] = f[h, c] + dt_bias[h·K + c],    a_h = exp(A_log[h])
     unbounded (Kimi-Linear / released K3):   g = −a_h · softplus(z)        (softplus threshold 20 → identity)
@@ -26,7 +26,7 @@ def kda_gate(
     Args:
         f: [B, T, H*K] or [B, T, H, K] raw gate input (output of f_b_proj).
         A_log: [H] log of the decay scale (unbounded) or of the sigmoid's inverse temperature (bounded).
-        dt_bias: [H*K] flat bias added to f (K3_SPEC §13.3), or None for no bias.
+        dt_bias: [H*K] flat bias added to f (docs/model_spec.md §13.3), or None for no bias.
         lower_bound: None for the softplus form; else lb ∈ [−5, 0) (config key `gate_lower_bound`).
 
     Returns:

@@ -1,4 +1,4 @@
-"""Plain per-token reference of the KDA recurrence (K3_SPEC §5.3): the ground truth the fast paths are tested against.
+"""Plain per-token reference of the KDA recurrence (docs/model_spec.md §5.3): the ground truth the fast paths are tested against.
 
 For every token t, head h (state S ∈ R^{K×V}, the transpose of vLLM's [H, V, K] cache layout):
 
@@ -32,7 +32,7 @@ def naive_recurrent_kda(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA by the per-token recurrence of K3_SPEC §5.3.
+    """KDA by the per-token recurrence of docs/model_spec.md §5.3.
 
     Args:
         q, k: [B, T, H, K] queries and keys.
@@ -42,7 +42,7 @@ def naive_recurrent_kda(
         scale: multiplies q; default K^-1/2.
         initial_state: [B, H, K, V] state before the first token; zeros if None.
         output_final_state: also return the state after the last token.
-        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (K3_SPEC §5.1).
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (docs/model_spec.md §5.1).
 
     Returns:
         o [B, T, H, V] in the input dtype, and the final state [B, H, K, V] in the compute dtype or None.

@@ -1,4 +1,4 @@
-"""Recurrent KDA for decoding: K3_SPEC §5.3 token by token, vectorised over sequences and heads.
+"""Recurrent KDA for decoding: docs/model_spec.md §5.3 token by token, vectorised over sequences and heads.
 
 Same math as `naive.py`; what differs is the work per step. The decays exp(g), the casts, the L2 norm and
 the q scale are done once for the whole input, the state update is one batched rank-1 `baddbmm`, and with
@@ -40,7 +40,7 @@ def fused_recurrent_kda(
         scale: multiplies q; default K^-1/2.
         initial_state: [B, H, K, V] (or [N, H, K, V] with cu_seqlens); zeros if None.
         output_final_state: also return the state after the last token.
-        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (K3_SPEC §5.1).
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (docs/model_spec.md §5.1).
         cu_seqlens: int64 [N + 1] boundaries of N sequences packed along T (then B must be 1).
 
     Returns:

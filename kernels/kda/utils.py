@@ -5,7 +5,7 @@ tensors, [B, T, H, K] for q, k, g; [B, T, H, V] for v; [B, T, H] for beta; [B, H
 and share the conventions that live here:
 
 * compute dtype: float32 for bf16/fp16 inputs, else the input dtype (so float64 tests are exact);
-* `use_qk_l2norm_in_kernel`: K3_SPEC §5.1 puts the per-head L2 norm of q and k *inside* the kernel
+* `use_qk_l2norm_in_kernel`: docs/model_spec.md §5.1 puts the per-head L2 norm of q and k *inside* the kernel
   (`q / sqrt(Σq² + 1e-6)`, same for k), before the `K^-1/2` scale; vLLM passes the flag as True;
 * `cu_seqlens`: packed sequences [1, ΣT, H, ·] are zero-padded, into a batch [N, T_max, H, ·] for the
   recurrent op, into a flat list of 64-token chunks for the chunked op (`ChunkedVarlen`).
@@ -27,7 +27,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def l2norm(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """scale · x / sqrt(Σ_K x² + 1e-6) over the last dim (K3_SPEC §5.1, §13.1)."""
+    """scale · x / sqrt(Σ_K x² + 1e-6) over the last dim (docs/model_spec.md §5.1, §13.1)."""
     inv = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS)  # [..., 1]
     return x * (inv * scale if scale != 1.0 else inv)
 

@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution with a decode-time state (K3_SPEC §5.1, §5.6).
+"""Depthwise causal short convolution with a decode-time state (docs/model_spec.md §5.1, §5.6).
 
 `causal_conv1d(x, weight, state=None, activation="silu") -> (y, new_state)` is the entry point
 (vectorised, one `F.conv1d` over the state followed by the new tokens); `naive_causal_conv1d`

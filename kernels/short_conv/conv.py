@@ -1,4 +1,4 @@
-"""Vectorised depthwise causal conv over [state ; x] (K3_SPEC §5.1, §5.6).
+"""Vectorised depthwise causal conv over [state ; x] (docs/model_spec.md §5.1, §5.6).
 
 Prefill and decode share the code: the state (last W−1 raw inputs, zeros for a fresh
 sequence) is prepended, the W sliding windows are taken with `unfold` and contracted with the

@@ -1,4 +1,4 @@
-"""Plain per-token reference of the depthwise causal conv (K3_SPEC §5.1).
+"""Plain per-token reference of the depthwise causal conv (docs/model_spec.md §5.1).
 
     y[t, c] = Σ_{i=0}^{W-1} w[c, i] · x[t-(W-1)+i, c]
 

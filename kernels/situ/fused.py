@@ -6,7 +6,7 @@ once and writes y; backward reads g, u, dy and writes dg, du, recomputing the ac
 instead of saving them. Math in fp32 whatever the storage dtype. tanh is written through the
 sigmoid (tanh x = 2σ(2x) − 1) so the kernel runs under TRITON_INTERPRET=1 as well as on a GPU.
 
-    y  = s(g)·l(u),        s(g) = β·tanh(g/β)·σ(g),    l(u) = β_l·tanh(u/β_l)   (K3_SPEC §8.3)
+    y  = s(g)·l(u),        s(g) = β·tanh(g/β)·σ(g),    l(u) = β_l·tanh(u/β_l)   (docs/model_spec.md §8.3)
     dg = dy·l(u)·[(1 − tanh²(g/β))·σ(g) + β·tanh(g/β)·σ(g)·(1 − σ(g))]
     du = dy·s(g)·(1 − tanh²(u/β_l))
 """

@@ -1,4 +1,4 @@
-"""Plain PyTorch reference of the SiTU-GLU activation (K3_SPEC §8.3).
+"""Plain PyTorch reference of the SiTU-GLU activation (docs/model_spec.md §8.3).
 
     SiTU-GLU(g, u) = β·tanh(g/β)·σ(g) ⊙ β_lin·tanh(u/β_lin)
 

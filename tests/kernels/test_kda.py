@@ -1,4 +1,4 @@
-"""KDA ops (kernels/kda) against the per-token float64 reference `naive_recurrent_kda` (K3_SPEC §5.3).
+"""KDA ops (kernels/kda) against the per-token float64 reference `naive_recurrent_kda` (docs/model_spec.md §5.3).
 
 Outputs, final states and the gradients w.r.t. q, k, v, g, beta and the initial state are compared by
 relative error, over odd lengths (T not a multiple of 64 or 16, T < 16), both gate forms of §5.2 made by

@@ -100,7 +100,7 @@ def test_grouped_topk_one_group_is_plain_topk():
 
 
 def reference_moe(moe: MoE, cfg, x: torch.Tensor) -> torch.Tensor:
-    """Per-token loop over the chosen experts, written from K3_SPEC §8 independently of MoE."""
+    """Per-token loop over the chosen experts, written from docs/model_spec.md §8 independently of MoE."""
     beta, lin = cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta
 
     def act(g, u):

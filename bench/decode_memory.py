@@ -1,5 +1,5 @@
 """Decode-cache bytes per sequence of the hybrid K3 model vs an all-MLA and a plain multi-head-attention
-(MHA) model of the same width and depth, at contexts 1K…1M (K3_SPEC §5.6, §6, §11; PERFORMANCE.md).
+(MHA) model of the same width and depth, at contexts 1K…1M (docs/model_spec.md §5.6, §6, §11; docs/performance.md).
 
 Tiny config (configs/model/tiny.yaml), measured: each model prefills real token sequences of
 1K, 2K and 4K tokens in bf16 and the bytes of the cache it returns are summed (K3Cache for the
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.cache import K3Cache  # noqa: E402
-from model.config import load_model_yaml  # noqa: E402
+from rl.config import load_model_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = [1024, 2048, 4096]
@@ -81,7 +81,7 @@ def context(n: int) -> str:
 
 
 def main() -> int:
-    tiny = load_model_yaml(str(ROOT / "configs/model/tiny.yaml"), [f"max_position_embeddings={max(MEASURED)}"])
+    tiny = load_model_config(str(ROOT / "configs/model/tiny.yaml"), [f"max_position_embeddings={max(MEASURED)}"])
     tiny_mla = all_mla(tiny)
     rows, ok = [], True
     for n in MEASURED:
@@ -105,7 +105,7 @@ def main() -> int:
         print("\nFAILED: a measured cache differs from its layout; no computed table is reported.", file=sys.stderr)
         return 1
 
-    ref = load_model_yaml(str(ROOT / "configs/model/k3-2.8t.yaml"))
+    ref = load_model_config(str(ROOT / "configs/model/k3-2.8t.yaml"))
     for name, cfg in (("Tiny config", tiny), ("Reference config k3-2.8t", ref)):
         mla = all_mla(cfg)
         lac = cfg.linear_attn_config

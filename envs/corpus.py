@@ -84,10 +84,10 @@ class Hit:
 class CorpusConfig:
     """What a corpus is made of and how it is indexed (the YAML of ``k3rl corpus build``)."""
 
-    name: str = "wiki"
-    """Cache folder name; one cache per name."""
-    source: Optional[str] = "wiki"
-    """Built-in source (wiki, shakespeare); set to null to use ``files``."""
+    name: Optional[str] = None
+    """Cache folder name, one cache per name; default: the source's name, or the first file's stem."""
+    source: Optional[str] = None
+    """Built-in source (wiki, shakespeare); default: wiki when no ``files`` are given."""
     files: list[str] = field(default_factory=list)
     """Local JSONL / Parquet / text files (one document per row, or per text file)."""
     format: str = "auto"
@@ -107,6 +107,13 @@ class CorpusConfig:
     """Constant of reciprocal-rank fusion for hybrid search."""
     cache_dir: Optional[str] = None
     """Default: ``$K3RL_DATA/corpora`` (``~/.cache/k3rl/corpora``)."""
+
+    def __post_init__(self) -> None:
+        # A files-only config needs no `source: null`; a config with neither is the wiki default.
+        if self.source is None and not self.files:
+            self.source = "wiki"
+        if self.name is None:
+            self.name = self.source or Path(str(self.files[0])).stem
 
 
 _WORD = re.compile(r"\S+")

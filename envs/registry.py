@@ -1,21 +1,35 @@
 """Environment registry: configs say ``env: search``; ``k3rl envs`` lists what is registered.
 
-``@register("name")`` works on an ``Env`` subclass or on a factory function returning
-one (the long-context families use a factory that picks in-context or search serving).
-Built-in environments register themselves when their module is imported; ``make`` and
-``list_envs`` import those modules on first use, so importing ``envs`` stays cheap.
+A config names an environment in one of three ways (``resolve`` turns each into an ``Entry``):
+
+* a registered name: ``@register("name")`` on an ``Env`` subclass or on a factory function
+  returning one (the long-context families use a factory that picks in-context or search
+  serving). Built-in environments register themselves when their module is imported; ``make``
+  and ``list_envs`` import those modules on first use, so importing ``envs`` stays cheap.
+* a name an installed package declares in the ``k3rl.envs`` entry-point group
+  (``[project.entry-points."k3rl.envs"] guess = "my_pkg.envs:Guess"``): it is on every node
+  where the package is installed.
+* ``module.path:ClassName``: a class (or factory) in the user's own module. The module is
+  imported as Python would, and also from the current directory (as ``python -m`` does), so
+  ``rl.env=guess_env:Guess`` works beside ``guess_env.py``. ``user_module_path`` tells the
+  driver which file or package to ship to Ray workers (rl/cluster.py) so that they import it too.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import os
 import sys
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from envs.base import Env
 
 BUILTIN_MODULES = ("envs.search", "envs.longctx")
+ENTRY_POINT_GROUP = "k3rl.envs"
 
 _REGISTRY: dict[str, "Entry"] = {}
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,26 +59,104 @@ def register(name: str | None = None, *, summary: str | None = None) -> Callable
     return deco
 
 
+class UnknownEnvironment(KeyError):
+    """An environment name that is neither registered, nor an entry point, nor an importable
+    ``module:Class``; the message says which and how to name one."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 def _load_builtins() -> None:
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
 
 
-def make(name: str, **kwargs: Any) -> Env:
-    """Build the environment registered as ``name`` with constructor arguments ``kwargs``."""
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _summary(target: Any) -> str:
+    return ((getattr(target, "__doc__", None) or "").strip().splitlines() or [""])[0]
+
+
+def _import_user_module(module: str):
+    """Import `module` as Python would, else from the current directory (as `python -m` does)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module.split(".")[0] or os.getcwd() in sys.path:
+            raise
+    sys.path.insert(0, os.getcwd())
+    return importlib.import_module(module)
+
+
+def resolve(name: str) -> Entry:
+    """The `Entry` a config's environment name stands for (see module docstring); raises
+    `UnknownEnvironment` naming what was tried."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        if not module or not attr:
+            raise UnknownEnvironment(f"environment {name!r}: a class of your own is named 'module.path:ClassName'")
+        try:
+            mod = _import_user_module(module)
+        except ModuleNotFoundError as e:
+            raise UnknownEnvironment(
+                f"environment {name!r}: cannot import module {module!r} ({e}); it must be importable from the "
+                f"current directory {os.getcwd()}, PYTHONPATH or an installed package") from None
+        target = getattr(mod, attr, None)
+        if target is None:
+            raise UnknownEnvironment(f"environment {name!r}: module {module!r} ({getattr(mod, '__file__', '?')}) "
+                                     f"has no attribute {attr!r}")
+        if not (isinstance(target, type) and issubclass(target, Env)) and (isinstance(target, type)
+                                                                           or not callable(target)):
+            raise UnknownEnvironment(f"environment {name!r}: {attr!r} is a {type(target).__name__}, not an Env "
+                                     f"subclass or a factory returning one")
+        return Entry(name, target, _summary(target))
     _load_builtins()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown environment {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    env = _REGISTRY[name].target(**kwargs)
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    points = _entry_points()
+    if name in points:
+        target = points[name].load()
+        return _REGISTRY.get(name) or Entry(name, target, _summary(target))
+    known = sorted(set(_REGISTRY) | set(points))
+    raise UnknownEnvironment(f"unknown environment {name!r}; registered: {', '.join(known)}; a class of your own is "
+                             f"named 'module.path:ClassName' (e.g. guess_env:Guess beside guess_env.py)")
+
+
+def make(name: str, **kwargs: Any) -> Env:
+    """Build the environment ``name`` (registered, entry point or ``module:Class``) with ``kwargs``."""
+    entry = resolve(name)
+    env = entry.target(**kwargs)
     if not isinstance(env, Env):
         raise TypeError(f"environment {name!r} built a {type(env).__name__}, not an Env")
     return env
 
 
+def user_module_path(name: str) -> Path | None:
+    """For ``module:Class`` names whose module lives outside the installed packages and outside
+    k3rl itself: the file or top-level package directory Ray workers need (``py_modules``)."""
+    if ":" not in name:
+        return None
+    resolve(name)  # imports it
+    top = sys.modules[name.partition(":")[0].split(".")[0]]
+    path = Path(top.__path__[0]) if hasattr(top, "__path__") else Path(top.__file__)
+    installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib", "stdlib")}
+    own = Path(__file__).resolve().parents[1]
+    resolved = path.resolve()
+    if any(resolved.is_relative_to(root) for root in installed | {own}):
+        return None
+    return resolved
+
+
 def list_envs() -> list[Entry]:
-    """All registered environments, sorted by name."""
+    """All registered environments and installed entry points, sorted by name."""
     _load_builtins()
-    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+    entries = dict(_REGISTRY)
+    for name, ep in _entry_points().items():
+        entries.setdefault(name, Entry(name, ep, f"(from {ep.value})"))
+    return [entries[k] for k in sorted(entries)]
 
 
 def protocol_texts() -> list[str]:

@@ -15,7 +15,7 @@ _EXPORTS = {
     "ModelConfig": "model.config",
     "LinearAttnConfig": "model.config",
     "K3Config": "model.config",
-    "load_model_yaml": "model.config",
+    "init_model": "model.init",
     "K3Cache": "model.cache",
     "K3ForCausalLM": "model.modeling",
     "K3Model": "model.modeling",

@@ -1,6 +1,6 @@
 """Typed configuration of the K3 model (the `model:` section of every job config) and its HF twin.
 
-Field names and meanings are those of `KimiLinearConfig` in K3_SPEC.md §2 (the released
+Field names and meanings are those of `KimiLinearConfig` in docs/model_spec.md §2 (the released
 checkpoint format), plus what Part A adds: the router-balancing method (quantile balancing,
 the DeepSeek sign update or none), RoPE on the MLA rope part (NoPE is the released default),
 and the native image-patch path. The dataclass `ModelConfig` is the single source of truth:
@@ -53,7 +53,7 @@ class LinearAttnConfig:
 
 @dataclass
 class RouterBalanceConfig:
-    """Loss-free balancing of the routing bias `e_score_correction_bias` (K3_SPEC Part A)."""
+    """Loss-free balancing of the routing bias `e_score_correction_bias` (docs/model_spec.md Part A)."""
 
     method: str = "quantile"
     """`quantile` (quantile balancing), `sign` (DeepSeek-V3 `b += γ·sign(T - load)`) or `none`."""
@@ -265,21 +265,6 @@ def _validate_moe(v: Mapping[str, Any]) -> None:
         _positive(v, "routed_expert_hidden_size")
     if v["router_balance"]["method"] not in ("quantile", "sign", "none"):
         raise ValueError(f"router_balance.method: must be quantile, sign or none, got {v['router_balance']['method']!r}")
-
-
-def load_model_yaml(path: str, overrides: Sequence[str] = ()) -> "K3Config":
-    """`model:` section of a YAML recipe (+ dotted `key=value` overrides) → a validated K3Config.
-
-    Equivalent to the job loader's model section for files without `base:` recipes.
-    """
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.load(path)
-    if "model" not in raw:
-        raise ValueError(f"{path}: a model recipe needs a top-level `model:` key")
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model,
-                          OmegaConf.from_dotlist([o.removeprefix("model.") for o in overrides]))
-    return _define_k3_config().from_model_config(cfg)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser for `k3rl <command> CONFIG [key=value …]`."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("config", metavar="CONFIG", help="a YAML recipe, e.g. configs/rl/quickstart.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rl.lr=1e-5; ~key resets a key (a dict to empty)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. learner.lr=1e-5; ~key resets a key (a dict to empty)")
     return parser
 
 

@@ -1,7 +1,7 @@
 """Job configuration: typed OmegaConf schemas, YAML recipes and dotted command-line overrides.
 
 Every k3rl command reads `CONFIG.yaml` followed by `key=value` overrides
-(`k3rl train configs/rl/quickstart.yaml rl.lr=1e-5 ray.address=auto`). The schema is one
+(`k3rl train configs/rl/quickstart.yaml learner.lr=1e-5 ray.address=auto`). The schema is one
 dataclass tree (`JobConfig`, one section per component, as torchtitan does); a YAML file sets
 any subset of it. A recipe may start from other recipes with `base:` (a path or a list of
 paths, relative to the file), merged in order before the file's own values.
@@ -50,6 +50,10 @@ class RayConfig:
     num_cpus: Optional[int] = None
     """CPUs of a local cluster (null: all); ignored when joining an existing cluster."""
     include_dashboard: bool = False
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    """Ray's own `runtime_env` for every actor of the job (`py_modules`, `working_dir`, `env_vars`, `pip`, …):
+    how a user's code and data reach the nodes of a cluster. A `module:Class` environment outside the
+    installed packages is added to `py_modules` by the driver."""
 
 
 @dataclass
@@ -63,14 +67,12 @@ class RLConfig:
     engine: str = "torch"
     """Rollout engine: `torch` (k3rl's own, the CPU default) or `vllm`."""
     env: str = "search"
-    """Registered environment name."""
+    """The environment: a registered name (`k3rl envs`), a `k3rl.envs` entry point of an installed package,
+    or `module.path:ClassName` of the user's own (importable, or in the current directory)."""
     steps: int = 20
     tasks_per_step: int = 8
     group_size: int = 4
     """Samples per task; group-relative algorithms normalise within a group."""
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128
@@ -117,6 +119,50 @@ class RLConfig:
     """Complete checkpoints kept in `<run_dir>/checkpoints` (older ones are deleted)."""
     max_worker_restarts: int = 10
     """Rollout actors replaced after dying, over the whole run, before the run gives up."""
+
+
+@dataclass
+class LearnerSettings:
+    """The `learner:` section: how the policy is optimised, for every objective the learner trains
+    (rl/learner.py `LearnerConfig` adds what the driver decides: model, algorithm, seed, device)."""
+
+    lr: float = 1e-5
+    """Peak learning rate of the optimizer."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, on matrices (≥ 2-D) only; norms, biases and 1-D parameters get none."""
+    adam_beta1: float = 0.9
+    """AdamW β₁ (also the AdamW part of `muon`)."""
+    adam_beta2: float = 0.999
+    """AdamW β₂."""
+    adam_eps: float = 1e-8
+    """AdamW ε."""
+    optimizer: str = "adamw"
+    """`adamw`, or `muon`: torch.optim.Muon on the 2-D hidden matrices (not embeddings, LM head, or
+    [1, d] vectors) with `adjust_lr_fn="match_rms_adamw"` so `lr` means the same, AdamW on the rest."""
+    muon_momentum: float = 0.95
+    """Momentum of Muon's matrices (`optimizer: muon`)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping; the norm is reported either way)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (B·T) per micro-batch; a longer sequence gets a micro-batch of its own."""
+    logprob_chunk_size: int = 1024
+    """Loss-mask rows per chunk of the LM head (peak extra memory ≈ chunk × V × 4 bytes)."""
+    compute_entropy: bool = False
+    """Also report the policy entropy on loss-mask tokens (one more pass over each chunk)."""
+    routing_replay: bool = True
+    """R3: replay `Trajectory.routed_experts` on MoE models that accept `routed_expert_ids`."""
+    ref_model_path: Optional[str] = None
+    """Reference policy for the KL term (algo_args.kl_coef > 0); null: the initial policy."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward (less memory, about a third more compute)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
+    parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
+
+
+# Keys that moved to another section: a recipe or override that still uses one is told where it went.
+MOVED_KEYS = {"rl.lr": "learner.lr", "rl.weight_decay": "learner.weight_decay",
+              "rl.max_grad_norm": "learner.max_grad_norm"}
 
 
 @dataclass
@@ -214,6 +260,7 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    learner: LearnerSettings = field(default_factory=LearnerSettings)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -238,6 +285,26 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
     except OmegaConfBaseException as e:
         raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {e.msg}") from None
     return cfg
+
+
+def load_model_config(path: str | Path, overrides: list[str] = ()) -> Any:
+    """The `model:` section of any recipe (a model file or a job recipe, `base:` recipes included) as a
+    validated `K3Config`. Overrides may leave out the `model.` prefix (`hidden_size=64`)."""
+    sections = {f.name for f in dataclasses.fields(JobConfig)}
+
+    def qualified(item: str) -> str:
+        bare = item.removeprefix("~")
+        if bare.split(".", 1)[0].split("=", 1)[0] in sections:
+            return item
+        return ("~" if item.startswith("~") else "") + "model." + bare
+
+    cfg = load_config(path, [qualified(o) for o in overrides])
+    from model.config import K3Config
+
+    try:
+        return K3Config.from_model_config(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"{path}: model.{e}") from None
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -285,6 +352,8 @@ def _reset(cfg: DictConfig, key: str, schema: type) -> DictConfig:
     dict (`~rl.env_args.length`) is removed."""
     if not key or any(not part.isidentifier() for part in key.split(".")):
         raise ConfigError(f"override '~{key}' is not of the form ~dotted.key")
+    if key in MOVED_KEYS:
+        raise ConfigError(f"override '~{key}': config key '{key}' has moved to '{MOVED_KEYS[key]}'")
     defaults = OmegaConf.structured(schema)
     parent_key, _, leaf = key.rpartition(".")
     if OmegaConf.select(defaults, key, default=_MISSING) is not _MISSING:
@@ -326,6 +395,8 @@ def _check_keys(data: Any, schema: type, source: str, prefix: str = "") -> None:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in known:
+            if full in MOVED_KEYS:
+                raise ConfigError(f"{source}: config key '{full}' has moved to '{MOVED_KEYS[full]}'")
             level = prefix[:-1] or "the top level"
             named = _first_leaf_path(value, full)
             raise ConfigError(

@@ -56,6 +56,7 @@ L MoE layers, k experts per token, d hidden size, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import time
@@ -73,6 +74,7 @@ from rl import parallel
 from rl.algos import get_algo
 from rl.algos.base import Algorithm, LossInputs
 from rl.batching import MicroBatch, collate, pack_micro_batches, to_train_sequence
+from rl.config import LearnerSettings
 from rl.logprobs import selected_logprobs
 from rl.routing import RoutingControl
 
@@ -81,8 +83,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
-class LearnerConfig:
-    """Everything one learner rank needs (OmegaConf-compatible field types)."""
+class LearnerConfig(LearnerSettings):
+    """Everything one learner rank needs: the job's `learner:` section (rl/config.py `LearnerSettings`:
+    optimizer, dtype, micro-batching, …) plus what the driver decides (OmegaConf-compatible types)."""
 
     model_path: str = ""
     """Hugging Face directory of the initial policy (K3 or any HF causal LM)."""
@@ -90,32 +93,6 @@ class LearnerConfig:
     """Name of an algorithm in `rl/algos/`."""
     algo_args: dict[str, Any] = field(default_factory=dict)
     """Settings of that algorithm (clip bounds, KL, TIS, …)."""
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    """Decoupled weight decay, on matrices (≥ 2-D) only; norms, biases and 1-D parameters get none."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    optimizer: str = "adamw"
-    """`adamw`, or `muon`: torch.optim.Muon on the 2-D hidden matrices (not embeddings, LM head, or
-    [1, d] vectors) with `adjust_lr_fn="match_rms_adamw"` so `lr` means the same, AdamW on the rest."""
-    muon_momentum: float = 0.95
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping; the norm is reported either way)."""
-    micro_batch_tokens: int = 8192
-    """Padded tokens (B·T) per micro-batch; a longer sequence gets a micro-batch of its own."""
-    logprob_chunk_size: int = 1024
-    """Loss-mask rows per chunk of the LM head (peak extra memory ≈ chunk × V × 4 bytes)."""
-    compute_entropy: bool = False
-    """Also report the policy entropy on loss-mask tokens (one more pass over each chunk)."""
-    routing_replay: bool = True
-    """R3: replay `Trajectory.routed_experts` on MoE models that accept `routed_expert_ids`."""
-    ref_model_path: Optional[str] = None
-    """Reference policy for the KL term (algo_args.kl_coef > 0); null: `model_path`."""
-    gradient_checkpointing: bool = False
-    dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
-    parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
     device: str = "cpu"
     """`cpu`, `cuda` (the GPU Ray gives the actor), or `cuda:<i>`."""
     seed: int = 0
@@ -132,10 +109,15 @@ class LearnerConfig:
 
     @classmethod
     def from_job(cls, job: Any, model_path: str | Path, **overrides: Any) -> "LearnerConfig":
-        """From a `JobConfig` (the fields its `rl:` and `run:` sections have), explicit overrides on top."""
+        """From a `JobConfig`: every field of its `learner:` section, the algorithm of `rl:`, seed and device
+        of `run:`; explicit overrides on top."""
+        from omegaconf import OmegaConf
+
         rl = job.rl
-        values = dict(model_path=str(model_path), algo=rl.algo, algo_args=dict(rl.algo_args), lr=rl.lr,
-                      weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, seed=job.run.seed,
+        section = job.learner if "learner" in job else LearnerSettings()
+        values = {f.name: getattr(section, f.name) for f in dataclasses.fields(LearnerSettings)}
+        values.update(model_path=str(model_path), algo=rl.algo, algo_args=OmegaConf.to_container(rl.algo_args)
+                      if OmegaConf.is_config(rl.algo_args) else dict(rl.algo_args), seed=job.run.seed,
                       device=job.run.device)
         return cls(**{**values, **overrides})
 

@@ -222,7 +222,7 @@ def advice_lines(result: dict[str, Any]) -> list[str]:
     for x in result.get("collapses", []):
         out.append(f"training collapsed at step {x['step']} (reward {x['reward']:.3f}, best before "
                    f"{x['best_reward_before']:.3f}; {_share(x['zero_variance_frac'])} of the groups scored all "
-                   f"samples alike): try a smaller step, e.g. rl.lr=5e-5, or a stronger anchor, "
+                   f"samples alike): try a smaller step, e.g. learner.lr=5e-5, or a stronger anchor, "
                    f"rl.algo_args.kl_coef=0.2")
     if not out:
         out.append("no collapse: try more steps (rl.steps=2×) or another seed (run.seed=1); "

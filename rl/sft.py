@@ -45,7 +45,6 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -424,24 +423,16 @@ def save_model(model, tokenizer, target: str | Path) -> Path:
 
 
 def init_model(model_section: Any, target: str | Path, seed: int = 0) -> Path:
-    """A random model from a `model:` section, written by `k3rl init` (model + tokenizer) to `target`."""
-    import yaml
-    from omegaconf import OmegaConf
+    """A random model from a `model:` section, with its tokenizer, written to `target` (`model.init`)."""
+    from model.config import K3Config
+    from model.init import init_model as write_random_model
 
-    from model.cli import init_main
-    from rl.checkpoint import atomic_dir
-
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=target.parent, delete=False) as f:
-        yaml.safe_dump({"model": OmegaConf.to_container(model_section, resolve=True)}, f)
     try:
-        with atomic_dir(target, kind="init-model") as tmp:
-            if init_main([f.name, str(tmp), "--seed", str(seed)]) != 0:
-                raise ConfigError(f"model: `k3rl init` could not build the model into {target}")
-    finally:
-        os.unlink(f.name)
-    return target
+        config = K3Config.from_model_config(model_section)
+        write_random_model(config, target, seed=seed)
+    except ValueError as e:
+        raise ConfigError(f"model: cannot build the model into {target}: {e}") from None
+    return Path(target)
 
 
 def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_kwargs: dict | None = None, *,
@@ -502,14 +493,14 @@ def _resolved(cfg) -> tuple[str, dict[str, Any], int]:
 
 def _check(cfg) -> None:
     """Named errors for a config that cannot run, before any work starts."""
-    from envs.registry import list_envs
+    from envs.registry import UnknownEnvironment, resolve
 
     sft = cfg.sft
     env_name, _, _ = _resolved(cfg)
-    names = [e.name for e in list_envs()]
-    if env_name not in names:
-        key = "sft.env" if sft.env is not None else "rl.env"
-        raise ConfigError(f"{key}: unknown environment {env_name!r}; registered: {', '.join(names)}")
+    try:
+        resolve(env_name)
+    except UnknownEnvironment as e:
+        raise ConfigError(f"{'sft.env' if sft.env is not None else 'rl.env'}: {e}") from None
     if sft.model_dir is not None:
         path = Path(sft.model_dir)
         if not path.is_dir():
@@ -539,7 +530,7 @@ def run_sft(cfg) -> Path:
     of the trained HF model."""
     import envs
     from rl.config import to_yaml
-    from rl.tasks import make_tasks, task_key
+    from rl.tasks import make_tasks, remove_training_tasks
 
     _check(cfg)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -589,9 +580,10 @@ def run_sft(cfg) -> Path:
     print(loss_summary(history, seconds, trainer.state.global_step, trainer._total_train_tokens), flush=True)
     plot_loss(history, run_dir / "loss.png")
     if sft.eval_tasks > 0:
-        seen = {task_key(t) for t in train_tasks}
-        held_out = [t for t in make_tasks(env, sft.eval_tasks, rl.eval_seed, "sft.eval_tasks / rl.env_args")
-                    if task_key(t) not in seen]
+        held_out, dropped = remove_training_tasks(
+            make_tasks(env, sft.eval_tasks, rl.eval_seed, "sft.eval_tasks / rl.env_args"), train_tasks)
+        if dropped:
+            print(dropped, flush=True)
         result = evaluate_greedy(trainer.model, tokenizer, env_name, held_out, env_kwargs,
                                  max_new_tokens=rl.max_new_tokens, max_turns=rl.max_turns,
                                  max_context_tokens=rl.max_context_tokens, success_key=rl.success_key,

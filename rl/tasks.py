@@ -25,3 +25,15 @@ def task_key(task: Any) -> str:
     """Identity of a task's content (its id left out): tasks drawn with different seeds may coincide."""
     body = {k: v for k, v in task.items() if k != "id"} if isinstance(task, dict) else task
     return json.dumps(body, sort_keys=True, default=str)
+
+
+def remove_training_tasks(held_out: list[Any], train: list[Any]) -> tuple[list[Any], str | None]:
+    """Held-out tasks minus those whose content equals a training task, and a line saying how many
+    were dropped (None when none were): a held-out set that silently shrinks misleads a reader."""
+    seen = {task_key(t) for t in train}
+    kept = [t for t in held_out if task_key(t) not in seen]
+    dropped = len(held_out) - len(kept)
+    if not dropped:
+        return kept, None
+    return kept, (f"held-out tasks: dropped {dropped} of {len(held_out)} that equal a training task, "
+                  f"{len(kept)} left")

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -88,7 +89,7 @@ from rl.buffer import Taken, TrajectoryBuffer
 from rl.cluster import init_ray
 from rl.config import ConfigError, JobConfig, load_config, to_yaml
 from rl.metrics import METRICS_FILE, MetricsLogger, plot, wilson_interval
-from rl.tasks import make_tasks, task_key
+from rl.tasks import make_tasks, remove_training_tasks
 from rl.transcripts import write_eval_episodes
 from rollout.worker import RolloutWorker, WorkerSpec
 
@@ -212,7 +213,14 @@ class Trainer:
         self._tok: Any = None
 
         self._owns_ray = not ray.is_initialized()
-        init_ray(cfg.ray)
+        init_ray(cfg.ray, py_modules=self._env_modules)
+        self._worker_env = None
+        if self._env_modules and not self._owns_ray:
+            # This process was connected to Ray before the trainer (a notebook, a test): the job's runtime
+            # env is fixed, and Ray uploads local modules only at the job level, so the rollout actors find
+            # the user's module through PYTHONPATH instead, which reaches workers on this machine only.
+            paths = [str(p.parent) for p in self._env_modules] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+            self._worker_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
         self._remote_worker = ray.remote(RolloutWorker)
         self.learner = None
         self.slots: list[_Slot] = []
@@ -236,6 +244,8 @@ class Trainer:
         if latest is not None:
             self.logger.print(f"resumed from {latest} at step {self.step} (policy version {self.version}, "
                               f"{self.restored_trajectories} collected trajectories waiting)")
+        if self._dropped_line:
+            self.logger.print(f"[yellow]{self._dropped_line}")
         if rl.eval_every > 0 and not self.eval_tasks:
             self.logger.print("[yellow]no held-out tasks left after removing training tasks: evaluation is off")
 
@@ -266,6 +276,19 @@ class Trainer:
         for name in ("max_staleness", "eval_every", "save_every", "max_worker_restarts"):
             if getattr(rl, name) < 0:
                 raise ConfigError(f"rl.{name}: must be ≥ 0, got {getattr(rl, name)}")
+        from envs.registry import UnknownEnvironment, resolve, user_module_path
+        from rl.learner import LearnerConfig
+
+        try:
+            LearnerConfig.from_job(self.cfg, rl.model_path)
+        except ValueError as e:
+            raise ConfigError(f"learner.{e}") from None
+
+        try:
+            resolve(rl.env)
+            self._env_modules = [p for p in [user_module_path(rl.env)] if p is not None]
+        except UnknownEnvironment as e:
+            raise ConfigError(f"rl.env: {e}") from None
         if str(self.cfg.run.device).startswith("cuda") and (rl.learner_num_gpus <= 0 or rl.rollout_num_gpus <= 0):
             raise ConfigError("run.device=cuda: set rl.learner_num_gpus and rl.rollout_num_gpus (> 0; fractions share "
                               "a GPU) so that Ray gives the actors a GPU")
@@ -283,6 +306,7 @@ class Trainer:
 
     def _load_tasks(self, env: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         rl = self.rl
+        self._dropped_line: Optional[str] = None
         train = read_tasks(rl.tasks_path) if rl.tasks_path else make_tasks(env, rl.num_tasks, self.cfg.run.seed,
                                                                            "rl.num_tasks / rl.env_args")
         if not train:
@@ -291,8 +315,7 @@ class Trainer:
         if rl.eval_every > 0:
             held_out = read_tasks(rl.eval_tasks_path) if rl.eval_tasks_path else (
                 make_tasks(env, rl.eval_tasks, rl.eval_seed, "rl.eval_tasks / rl.env_args") if rl.eval_tasks > 0 else [])
-            seen = {task_key(t) for t in train}
-            held_out = [t for t in held_out if task_key(t) not in seen]
+            held_out, self._dropped_line = remove_training_tasks(held_out, train)
         named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],
                  [(_task_id(t, f"eval-{i}"), t) for i, t in enumerate(held_out)])
         for kind, tasks in zip(("training", "held-out"), named):
@@ -313,6 +336,8 @@ class Trainer:
                                    "scheduling_strategy": "SPREAD"}
         if self.rl.rollout_num_gpus:
             options["num_gpus"] = self.rl.rollout_num_gpus
+        if self._worker_env:
+            options["runtime_env"] = self._worker_env
         return self._remote_worker.options(**options).remote(spec)
 
     @property

@@ -16,12 +16,12 @@ def run(*args):
 
 
 def test_config_prints_resolved_yaml():
-    r = run("config", "configs/rl/quickstart.yaml", "rl.lr=3e-5", "ray.address=auto")
+    r = run("config", "configs/rl/quickstart.yaml", "learner.lr=3e-5", "ray.address=auto")
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
-    assert cfg["rl"]["lr"] == 3e-5 and cfg["ray"]["address"] == "auto"
+    assert cfg["learner"]["lr"] == 3e-5 and cfg["ray"]["address"] == "auto"
     assert cfg["run"]["name"] == "quickstart"
-    assert set(cfg) == {"run", "ray", "model", "rl", "pretrain", "eval", "sft"}
+    assert set(cfg) == {"run", "ray", "model", "rl", "learner", "pretrain", "eval", "sft"}
 
 
 def test_config_unknown_key_fails_naming_it():

@@ -19,9 +19,9 @@ def test_every_recipe_loads(path):
 
 def test_overrides_apply_with_types():
     cfg = load_config(ROOT / "configs/rl/quickstart.yaml",
-                      ["rl.lr=2e-5", "ray.address=auto", "model.linear_attn_config.kda_layers=[1,2,3]",
+                      ["learner.lr=2e-5", "ray.address=auto", "model.linear_attn_config.kda_layers=[1,2,3]",
                        "model.num_experts=null"])
-    assert cfg.rl.lr == 2e-5 and isinstance(cfg.rl.lr, float)
+    assert cfg.learner.lr == 2e-5 and isinstance(cfg.learner.lr, float)
     assert cfg.ray.address == "auto"
     assert list(cfg.model.linear_attn_config.kda_layers) == [1, 2, 3]
     assert cfg.model.num_experts is None
@@ -35,9 +35,9 @@ def test_tilde_resets_a_key_so_a_dict_can_be_replaced():
     assert "ask" in merged.rl.env_args  # the needle's arguments are still there
     cfg = load_config(recipe, ["~rl.env_args", "rl.env=search", "rl.env_args.corpus=wiki"])
     assert OmegaConf.to_container(cfg.rl.env_args) == {"corpus": "wiki"}
-    cfg = load_config(recipe, ["~rl.env_args.length", "~rl.lr", "~sft.hedging_rate"])
+    cfg = load_config(recipe, ["~rl.env_args.length", "~learner.lr", "~sft.hedging_rate"])
     assert "length" not in cfg.rl.env_args and "ask" in cfg.rl.env_args
-    assert cfg.rl.lr == load_config(None).rl.lr != merged.rl.lr and cfg.sft.hedging_rate == 0.0
+    assert cfg.learner.lr == load_config(None).learner.lr != merged.learner.lr and cfg.sft.hedging_rate == 0.0
     with pytest.raises(ConfigError, match="override '~rl.nope': no config key 'rl.nope' to reset"):
         load_config(recipe, ["~rl.nope"])
     with pytest.raises(ConfigError, match="not of the form ~dotted.key"):
@@ -48,22 +48,22 @@ def test_unknown_override_names_whole_key_and_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs/rl/quickstart.yaml", ["no.such.key=1"])
     assert "'no.such.key'" in str(e.value)
-    for section in ("run", "ray", "model", "rl", "pretrain", "eval", "sft"):
+    for section in ("run", "ray", "model", "rl", "learner", "pretrain", "eval", "sft"):
         assert section in str(e.value)
 
 
 def test_unknown_nested_key_lists_that_level(tmp_path):
     f = tmp_path / "bad.yaml"
-    f.write_text("rl:\n  lr: 1.0e-5\n  learning_rate: 3\n")
+    f.write_text("rl:\n  steps: 3\n  learning_rate: 3\n")
     with pytest.raises(ConfigError) as e:
         load_config(f)
     msg = str(e.value)
     assert "'rl.learning_rate'" in msg and "bad.yaml" in msg
-    assert "lr" in msg and "group_size" in msg and "hidden_size" not in msg
+    assert "steps" in msg and "group_size" in msg and "hidden_size" not in msg
 
 
 @pytest.mark.parametrize("override,key,expected", [
-    ("rl.lr=abc", "rl.lr", "float"),
+    ("learner.lr=abc", "learner.lr", "float"),
     ("rl.steps=1.5", "rl.steps", "int"),
     ("model.linear_attn_config.num_heads=x", "model.linear_attn_config.num_heads", "int"),
     ("pretrain.stages=[{seq_len: x}]", "pretrain.stages[0].seq_len", "int"),
@@ -88,11 +88,11 @@ def test_malformed_override(bad):
 
 
 def test_base_recipes_merge_in_order(tmp_path):
-    (tmp_path / "a.yaml").write_text("rl:\n  lr: 0.1\n  steps: 5\n")
+    (tmp_path / "a.yaml").write_text("learner:\n  lr: 0.1\nrl:\n  steps: 5\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\nrl:\n  steps: 7\n")
     (tmp_path / "c.yaml").write_text("base: [b.yaml]\nrl:\n  group_size: 3\n")
     cfg = load_config(tmp_path / "c.yaml", ["rl.group_size=9"])
-    assert (cfg.rl.lr, cfg.rl.steps, cfg.rl.group_size) == (0.1, 7, 9)
+    assert (cfg.learner.lr, cfg.rl.steps, cfg.rl.group_size) == (0.1, 7, 9)
 
 
 def test_base_cycle_and_missing_file(tmp_path):
@@ -117,3 +117,34 @@ def test_invalid_yaml_is_named(tmp_path):
 def test_interpolation_resolves():
     cfg = load_config(None, ["run.name=${rl.algo}-run"])
     assert cfg.run.name == "grpo-run"
+
+
+@pytest.mark.parametrize("old,new", [("rl.lr", "learner.lr"), ("rl.weight_decay", "learner.weight_decay"),
+                                     ("rl.max_grad_norm", "learner.max_grad_norm")])
+def test_an_old_flat_key_names_its_new_place(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=f"config key '{old}' has moved to '{new}'"):
+        load_config(None, [f"{old}=0.5"])
+    f = tmp_path / "old.yaml"
+    f.write_text(f"rl:\n  {old.split('.')[1]}: 0.5\n")
+    with pytest.raises(ConfigError, match=f"old.yaml: config key '{old}' has moved to '{new}'"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=f"has moved to '{new}'"):
+        load_config(None, [f"~{old}"])
+
+
+def test_every_learner_setting_reaches_the_learner_config():
+    """`LearnerConfig.from_job` takes every field of the `learner:` section (none is dropped on the way)."""
+    import dataclasses
+
+    from rl.config import LearnerSettings
+    from rl.learner import LearnerConfig
+
+    values = {"optimizer": "muon", "dtype": "bfloat16", "micro_batch_tokens": 123, "gradient_checkpointing": True,
+              "routing_replay": False, "ref_model_path": "/ref", "lr": 0.25, "weight_decay": 0.5, "max_grad_norm": 3.0,
+              "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6, "muon_momentum": 0.9, "logprob_chunk_size": 7,
+              "compute_entropy": True}
+    assert set(values) == {f.name for f in dataclasses.fields(LearnerSettings)}
+    job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["rl.algo=ppo", "run.seed=5"])
+    cfg = LearnerConfig.from_job(job, "/policy")
+    assert {k: getattr(cfg, k) for k in values} == values
+    assert (cfg.model_path, cfg.algo, cfg.seed) == ("/policy", "ppo", 5)

@@ -65,3 +65,17 @@ def test_init_writes_a_loadable_model_and_tokenizer(tmp_path, capsys):
         assert torch.isfinite(model(ids).logits).all()
     assert init_main([str(ROOT / "configs/model/tiny.yaml"), str(out)]) == 2  # refuses a non-empty directory
     assert init_main([str(ROOT / "configs/model/k3-2.8t.yaml"), str(tmp_path / "big")]) == 2  # does not fit
+
+
+def test_params_and_init_read_any_recipe(tmp_path, capsys):
+    """A job recipe (with `base:` and a `model:` section of its own) works as well as a model file."""
+    assert params_main([str(ROOT / "configs/rl/quickstart.yaml")]) == 0
+    assert "layers: 4 (3 KDA, 1 MLA; 3 MoE, 1 dense)" in capsys.readouterr().out
+    assert params_main([str(ROOT / "configs/rl/sft.yaml"), "model.num_hidden_layers=8",
+                        "model.linear_attn_config.kda_layers=[1,2,3,5,6,7]",
+                        "model.linear_attn_config.full_attn_layers=[4,8]"]) == 0
+    assert "layers: 8 (6 KDA, 2 MLA; 7 MoE, 1 dense)" in capsys.readouterr().out
+    assert params_main([str(ROOT / "configs/model/tiny.yaml"), "model.no_such_key=1"]) == 2
+    assert "unknown config key 'model.no_such_key'" in capsys.readouterr().err
+    assert params_main([str(ROOT / "configs/model/tiny.yaml"), "model.num_hidden_layers=5"]) == 2
+    assert "model.linear_attn_config" in capsys.readouterr().err

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from k3_factory import K3Config
-from model.config import ModelConfig, load_model_yaml
+from model.config import ModelConfig
+from rl.config import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ def test_fields_and_defaults_come_from_the_dataclass():
 
 @pytest.mark.parametrize("name", ["tiny", "small", "k3-2.8t"])
 def test_recipes_load(name):
-    cfg = load_model_yaml(str(ROOT / "configs/model" / f"{name}.yaml"))
+    cfg = load_model_config(str(ROOT / "configs/model" / f"{name}.yaml"))
     lac = cfg.linear_attn_config
     assert len(lac["kda_layers"]) == 3 * len(lac["full_attn_layers"])
     assert cfg.attn_res_block_size is not None and cfg.hidden_act == "situ" and lac["gate_lower_bound"] is not None
@@ -42,7 +43,7 @@ def test_recipes_load(name):
 def test_overrides_and_round_trip(tmp_path):
     from transformers import AutoConfig
 
-    cfg = load_model_yaml(str(ROOT / "configs/model/tiny.yaml"), ["model.hidden_size=64", "rope_theta=5e5"])
+    cfg = load_model_config(str(ROOT / "configs/model/tiny.yaml"), ["model.hidden_size=64", "rope_theta=5e5"])
     assert cfg.hidden_size == 64 and cfg.rope_theta == 5e5
     cfg.save_pretrained(tmp_path)
     back = AutoConfig.from_pretrained(tmp_path)

@@ -113,7 +113,7 @@ def test_steps_raise_rewarded_and_lower_unrewarded_logprobs(tiny_qwen3_dir, qwen
 def test_kl_to_reference_starts_at_zero_and_grows(tiny_qwen3_dir, qwen_batch):
     from rl.config import load_config
 
-    cfg = LearnerConfig.from_job(load_config(None, ["rl.algo=ppo", "rl.lr=1e-3"]), tiny_qwen3_dir,
+    cfg = LearnerConfig.from_job(load_config(None, ["rl.algo=ppo", "learner.lr=1e-3"]), tiny_qwen3_dir,
                                  algo_args={"kl_coef": 0.1}, micro_batch_tokens=64)
     assert (cfg.algo, cfg.lr, cfg.model_path) == ("ppo", 1e-3, str(tiny_qwen3_dir))
     learner = Learner(cfg)
@@ -330,12 +330,12 @@ K3_PROMPTS = [[3, 100, 200, 300, 400, 500], [3, 7, 8, 9]]
 @pytest.fixture(scope="module")
 def k3_setup(tmp_path_factory):
     """The tiny K3 saved as an HF dir, and trajectories its TorchEngine sampled (with routing)."""
-    from model.config import load_model_yaml
+    from rl.config import load_model_config
     from model.modeling import K3ForCausalLM
     from rollout.torch_engine import TorchEngine
 
     torch.manual_seed(0)
-    k3 = K3ForCausalLM(load_model_yaml(str(Path(__file__).parents[2] / "configs/model/tiny.yaml")))
+    k3 = K3ForCausalLM(load_model_config(str(Path(__file__).parents[2] / "configs/model/tiny.yaml")))
     with torch.no_grad():
         k3.lm_head.weight.normal_(0.0, 0.3)  # spread-out next-token distributions
     path = tmp_path_factory.mktemp("tiny-k3")

@@ -124,7 +124,7 @@ def test_a_collapse_is_found_in_the_training_curve_and_named_with_what_to_try():
     assert collapses(rows[:3]) == []  # a noisy but healthy curve is not a collapse
     text = "\n".join(summary_lines(_result(0, 0, collapse=[c])))
     assert "did NOT improve" in text and "collapse at step 3" in text
-    assert "what to try: training collapsed at step 3" in text and "rl.lr=" in text
+    assert "what to try: training collapsed at step 3" in text and "learner.lr=" in text
 
 
 def test_no_improvement_without_collapse_suggests_more_steps_or_another_seed():

@@ -60,7 +60,7 @@ def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
     settings.update(rl)
     return ([f"run.output_dir={tmp_path / 'runs'}", f"run.name={name}", f"rl.model_path={model_dir}",
              f"rl.tasks_path={train}", f"rl.eval_tasks_path={held_out}", "rl.env_args={corpus: null}"]
-            + [f"rl.{k}={v}" for k, v in settings.items()])
+            + [f"{'learner' if k == 'lr' else 'rl'}.{k}={v}" for k, v in settings.items()])
 
 
 def job(*args, **rl):

@@ -1,0 +1,89 @@
+"""`init_model`: a randomly initialised K3 (and, for small vocabularies, its tokenizer) as a Hugging Face directory.
+
+What `k3rl init` (model/cli.py) and the SFT and quickstart drivers call. The directory is written to
+a temporary sibling and renamed, so a crash never leaves half a directory. The tokenizer is a
+byte-level BPE trained on the built-in wiki text and the environments' tool protocol
+(`envs.registry.protocol_texts`), for vocabularies up to `TOKENIZER_MAX_VOCAB`; it is trained
+before the weights are drawn, and the weights come from `torch.manual_seed(seed)`, so a seed gives
+the same model every time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_MAX_VOCAB = 65536
+PROTOCOL_REPEATS = 100
+
+
+@dataclass
+class InitResult:
+    path: Path
+    parameters: int
+    tokenizer_size: int | None
+
+    def line(self) -> str:
+        tok = f", tokenizer of {self.tokenizer_size} tokens" if self.tokenizer_size else ""
+        return f"wrote {self.path}: {self.parameters:,} parameters{tok}"
+
+
+def fits_in_memory(config: Any, fraction: float = 0.8) -> tuple[bool, float, float]:
+    """Whether the fp32 weights of `config` take at most `fraction` of this machine's memory; (ok, GiB needed, GiB there)."""
+    from model.params import count_parameters
+
+    need = count_parameters(config)["total"] * 4
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return need <= fraction * have, need / 2**30, have / 2**30
+
+
+def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool = True) -> InitResult:
+    """Write a random `K3ForCausalLM` of `config` (a K3Config) and its tokenizer to `out_dir`.
+
+    Raises ValueError if `out_dir` exists and is not empty, or the weights do not fit in memory."""
+    import torch
+
+    from model.modeling import K3ForCausalLM
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} exists and is not empty")
+    ok, need, have = fits_in_memory(config)
+    if not ok:
+        raise ValueError(f"{need:.1f} GiB of fp32 weights do not fit in {have:.1f} GiB of memory")
+    tok = train_builtin_tokenizer(config) if tokenizer and config.vocab_size <= TOKENIZER_MAX_VOCAB else None
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(config)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    if tok is not None:
+        tok.save_pretrained(tmp)
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)
+    return InitResult(out_dir, sum(p.numel() for p in model.parameters()), len(tok) if tok is not None else None)
+
+
+def train_builtin_tokenizer(config: Any):
+    """The built-in byte-level BPE tokenizer for `config` (its special-token ids must be the built-in ones)."""
+    from itertools import chain
+
+    from envs.corpus import builtin_texts
+    from envs.registry import protocol_texts
+    from model.tokenizer import MEDIA_PLACEHOLDER_ID, train_tokenizer
+
+    expected = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    for name, value in expected.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{name}: the built-in tokenizer uses id {value}, the config says {getattr(config, name)}")
+    if config.media_placeholder_token_id not in (None, MEDIA_PLACEHOLDER_ID):
+        raise ValueError(f"media_placeholder_token_id: the built-in tokenizer's <|media_pad|> is "
+                         f"{MEDIA_PLACEHOLDER_ID}, the config says {config.media_placeholder_token_id}")
+    # The tool protocol (schemas, calls, framing) is repeated so that its words become single tokens.
+    texts = chain(builtin_texts("wiki"), protocol_texts() * PROTOCOL_REPEATS)
+    return train_tokenizer(texts, config.vocab_size, model_max_length=config.max_position_embeddings)

@@ -104,6 +104,9 @@ class Env:
     (``envs.tools.render_tools_prompt``); an instance may set its own."""
     budget: ClassVar[Budget] = Budget()
     """Default budget; ``Episode`` and ``run_episode`` accept an override."""
+    success_metric: ClassVar[str | None] = None
+    """The ``metrics()`` component whose value ≥ 1 marks a solved episode (e.g. ``"em"``); None: the
+    reward ≥ 1. Evaluation (rl/evaluate.py) and the trainer's success rate follow it."""
     _tool_specs: ClassVar[dict[str, T.ToolSpec]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

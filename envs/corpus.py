@@ -292,8 +292,18 @@ def cache_keys(config: CorpusConfig) -> dict[str, str]:
     }
 
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
 def corpus_dir(config: CorpusConfig) -> Path:
-    return Path(config.cache_dir or data_dir() / "corpora") / config.name
+    """The corpus's own cache folder, `<cache_dir>/<name>`. Building replaces that folder, so the name must
+    be one plain folder name: an empty, absolute or dotted-path name (`''`, `/data`, `../x`) would make
+    the rebuild delete something else (the cache root and every other corpus in it)."""
+    name = config.name
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
+        raise CorpusError(f"corpus name {name!r}: must be a plain folder name (letters, digits, '.', '_', '-', "
+                          f"not starting with '.' or '-'); the cache of a corpus is <cache_dir>/<name>")
+    return Path(config.cache_dir or data_dir() / "corpora") / name
 
 
 def read_documents(config: CorpusConfig) -> list[Document]:

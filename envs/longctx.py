@@ -455,6 +455,8 @@ class _FamilyTasks:
 class LongContextEnv(_FamilyTasks, Env):
     """A long-context family served in context: the haystack is in the prompt; one tool, ``answer``."""
 
+    success_metric = "em"
+
     system_prompt = "You answer questions about a long text given in the user message."
 
     def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",

@@ -76,6 +76,7 @@ def task_corpus(passages: Sequence[Mapping[str, Any]]) -> Corpus:
 class SearchEnv(Env):
     """Agentic search over a corpus (default: Wikipedia summaries, BM25): search, open, answer; F1 + evidence recall."""
 
+    success_metric = "em"
     system_prompt = (
         "You answer questions by searching a document collection. Search with short keyword queries, "
         "open documents to read more, and call `answer` with a short final answer (a name, number or phrase)."

@@ -296,14 +296,17 @@ def load_documents(
                 raise CorruptCorpusError(_diagnose(path, kind, exc)) from exc
         if text_field not in ds.column_names and kind != "text":
             raise CorruptCorpusError(f"{path}: no {text_field!r} field (fields: {', '.join(ds.column_names)})")
-        texts = ds["text" if kind == "text" else text_field]
-        titles = ds[title_field] if title_field in ds.column_names else [""] * len(texts)
-        if kind == "text":
-            ids = [path.stem]
-        elif id_field in ds.column_names:
-            ids = [str(i) for i in ds[id_field]]
-        else:
-            ids = [f"{path.stem}-{i}" for i in range(len(texts))]
+        try:  # the columns decode lazily: a bad byte surfaces here, not in load_dataset
+            texts = list(ds["text" if kind == "text" else text_field])
+            titles = list(ds[title_field]) if title_field in ds.column_names else [""] * len(texts)
+            if kind == "text":
+                ids = [path.stem]
+            elif id_field in ds.column_names:
+                ids = [str(i) for i in ds[id_field]]
+            else:
+                ids = [f"{path.stem}-{i}" for i in range(len(texts))]
+        except UnicodeDecodeError as exc:
+            raise CorruptCorpusError(f"{path}: not UTF-8 text ({exc})") from exc
         for row, (doc_id, title, text) in enumerate(zip(ids, titles, texts)):
             if not isinstance(text, str):
                 raise CorruptCorpusError(f"{path}: row {row}: {text_field!r} is {type(text).__name__}, not text")

@@ -12,7 +12,7 @@ Layout of a checkpoint root (the trainer uses `<run_dir>/checkpoints`):
 
 How a save stays atomic (`CheckpointManager.begin`): everything is written into a temporary
 directory beside the target; then every file and directory in it is fsynced, the `COMPLETE`
-manifest (relative path → size of every file) is written and fsynced, the directory is renamed
+manifest (relative path → size and SHA-256 of every file) is written and fsynced, the directory is renamed
 to `step-XXXXXX` (`os.replace`, atomic on POSIX) and the parent fsynced; only then is `latest`
 replaced (temp file + `os.replace`) and are checkpoints beyond the newest K deleted (renamed
 to a `.trash-*` name first, so a crash during deletion never leaves a `step-*` directory with
@@ -21,10 +21,12 @@ new complete one, or both; never a `step-*` directory without its manifest.
 
 `find_latest` trusts directories, not the pointer: it returns the highest-numbered `step-*`
 directory that holds a `COMPLETE` manifest (a crash between the rename and the pointer update
-loses nothing) and ignores temp, trash and manifest-less directories. The manifest is checked
-against the files on disk (sizes); a complete-looking checkpoint whose files do not match is
-`CorruptCheckpointError` rather than a silent fall-back to an older step, which would repeat
-training steps and drop the trajectories collected since.
+loses nothing) and ignores temp, trash and manifest-less directories. `verify` checks the manifest
+against the files on disk — size and content hash of every file (manifests written before hashes
+existed are checked by size) — so a flipped byte anywhere is a `CorruptCheckpointError` naming the
+file. A newest checkpoint that does not verify is skipped for the newest one that does only when the
+caller asks (`find_latest(root, on_corrupt=…)`, which is told what was skipped, so the run can say
+it is going back a few steps); by default it raises.
 
 Trainer state (`save_trainer_state`): a dict saved with `torch.save` (`trainer_state.pt`),
 except that each top-level value that is a non-empty list of `Trajectory` goes to its own
@@ -44,7 +46,7 @@ import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -88,12 +90,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _manifest(root: Path) -> dict[str, int]:
-    """Relative path → size of every file under root (the manifest itself excluded)."""
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(root: Path) -> dict[str, dict[str, Any]]:
+    """Relative path → {size, sha256} of every file under root (the manifest itself excluded)."""
     out = {}
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.name != COMPLETE:
-            out[path.relative_to(root).as_posix()] = path.stat().st_size
+            out[path.relative_to(root).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     return out
 
 
@@ -141,13 +153,18 @@ def verify(directory: str | Path) -> dict[str, Any]:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{directory}: unreadable {COMPLETE} manifest ({e})") from None
-    for rel, size in files.items():
+    for rel, entry in files.items():
+        # manifests written before content hashes existed hold the size only
+        size, digest = (entry, None) if isinstance(entry, int) else (entry.get("size"), entry.get("sha256"))
         path = directory / rel
         if not path.is_file():
             raise CorruptCheckpointError(f"{directory}: {rel} is listed in the manifest but missing")
         if path.stat().st_size != size:
             raise CorruptCheckpointError(f"{directory}: {rel} has {path.stat().st_size} bytes, "
                                          f"the manifest says {size}")
+        if digest is not None and sha256_file(path) != digest:
+            raise CorruptCheckpointError(f"{directory}: {rel} does not match its content hash in the manifest "
+                                         f"(the file changed after it was saved)")
     return manifest
 
 
@@ -191,18 +208,24 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_latest(root: str | Path) -> Optional[Path]:
+def find_latest(root: str | Path, on_corrupt: Optional[Callable[[Path, CorruptCheckpointError], None]] = None
+                ) -> Optional[Path]:
     """The newest complete checkpoint under root, verified; None when there is none.
 
-    Temp dirs, trash and `step-*` dirs without a manifest are ignored; a manifest that does not
-    match its files raises CorruptCheckpointError (see module docstring).
+    Temp dirs, trash and `step-*` dirs without a manifest are ignored. A checkpoint that does not
+    verify raises CorruptCheckpointError, unless `on_corrupt` is given: then it is called with the
+    checkpoint and the error, and the next older checkpoint is tried (see module docstring).
     """
-    found = list_checkpoints(root)
-    if not found:
-        return None
-    path = found[-1][1]
-    verify(path)
-    return path
+    for _, path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+        except CorruptCheckpointError as e:
+            if on_corrupt is None:
+                raise
+            on_corrupt(path, e)
+            continue
+        return path
+    return None
 
 
 class CheckpointManager:
@@ -322,4 +345,4 @@ def load_trainer_state(directory: str | Path, restore_rng_state: bool = True) ->
 
 __all__ = ["COMPLETE", "CheckpointError", "CheckpointManager", "CorruptCheckpointError", "IncompleteCheckpointError",
            "LATEST", "atomic_dir", "capture_rng", "find_latest", "list_checkpoints", "load_trainer_state",
-           "mark_complete", "restore_rng", "save_trainer_state", "step_dir_name", "verify"]
+           "mark_complete", "restore_rng", "save_trainer_state", "sha256_file", "step_dir_name", "verify"]

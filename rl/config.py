@@ -103,8 +103,9 @@ class RLConfig:
     """Seed of the held-out tasks (distinct from run.seed); tasks equal to a training task are removed."""
     eval_temperature: float = 0.0
     """Sampling temperature of evaluation (0: greedy)."""
-    success_key: str = "em"
-    """Reward component (`Trajectory.rewards`) that marks success when ≥ 1; without it, reward ≥ 1."""
+    success_key: Optional[str] = None
+    """Reward component (`Trajectory.rewards`) that marks success when ≥ 1; null: the environment's own rule
+    (`Env.success_metric`, e.g. `em`; none declared: reward ≥ 1). See rl/evaluate.py."""
     max_context_tokens: int = 4096
     """Longest episode (prompt + every turn) in tokens."""
     rollout_num_cpus: float = 1.0
@@ -220,10 +221,10 @@ class SFTConfig:
     """Demonstrations whose episode reward is below this are dropped."""
     closed_book_rate: float = 0.0
     """Fraction of the tasks demonstrated by a closed-book teacher that answers at once with a guess
-    (another task's answer) instead of the oracle (`rl.sft.ClosedBookPolicy`); kept whatever their reward."""
+    (another task's answer) instead of the oracle (`envs.teachers.ClosedBookPolicy`); kept whatever their reward."""
     hedging_rate: float = 0.0
     """Fraction of the tasks demonstrated by a teacher that hedges the oracle's final answer
-    ("grey" → "grey, I think"; `rl.sft.HedgingPolicy`); kept whatever their reward. The quickstart
+    ("grey" → "grey, I think"; `envs.teachers.HedgingPolicy`); kept whatever their reward. The quickstart
     uses it so that SFT leaves a habit that only the reward shows to be wrong."""
     hedge: str = ", I think"
     """What the hedging teacher appends to its answer. A longer hedge earns less F1 credit (", I
@@ -246,10 +247,11 @@ class SFTConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, slower)."""
     logprob_chunk_size: int = 1024
-    """Loss-token rows per LM-head chunk (`rl.logprobs.selected_logprobs`)."""
+    """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
     eval_tasks: int = 0
     """Held-out tasks (`env.tasks(eval_tasks, seed=rl.eval_seed)` minus training tasks) rolled out
-    greedily after training: success (`rl.success_key`), well-formed tool calls; 0 skips."""
+    greedily after training: success (rl/evaluate.py, the environment's rule or `rl.success_key`), well-formed
+    tool calls; 0 skips."""
 
 
 @dataclass

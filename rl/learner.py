@@ -16,12 +16,10 @@ One `train_step(trajectories)` is one optimizer step:
 5. gradient clipping, the optimizer step (AdamW; `torch.optim.Muon` for hidden matrices when
    `optimizer: muon`), then router-bias balancing for MoE models (statistics reduced over ranks).
 
-Log-probabilities never go through full logits: the model returns hidden states and
-`rl.logprobs.selected_logprobs` scores the loss-mask rows only, in chunks. A model whose forward
-takes `return_hidden_states` (K3) returns the pre-norm h_final and the learner applies
-`model.model.norm`; any other HF causal LM is called with `output_hidden_states=True`, whose
-last entry is already normed (Llama/Qwen family). `logits_to_keep=1` keeps the LM head's own
-output to one position. Logits with soft-capping or an LM-head bias are refused.
+Log-probabilities never go through full logits: the policy adapter (model/policy.py) gives the
+final hidden states of the loss-mask rows and `model.logprobs.selected_logprobs` scores them in
+chunks; K3 and any other HF causal LM differ only inside the adapter. Logits with soft-capping or
+an LM-head bias are refused.
 
 One optimizer step per call, with π_old = the current weights (`old_logprobs =
 logprobs.detach()`): the PPO ratio is 1 at the step and clipping acts through later reuse of
@@ -57,8 +55,6 @@ L MoE layers, k experts per token, d hidden size, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -67,7 +63,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from rl import checkpoint as ckpt
 from rl import parallel
@@ -75,7 +70,7 @@ from rl.algos import get_algo
 from rl.algos.base import Algorithm, LossInputs
 from rl.batching import MicroBatch, collate, pack_micro_batches, to_train_sequence
 from rl.config import LearnerSettings
-from rl.logprobs import selected_logprobs
+from model.policy import Policy, load_policy
 from rl.routing import RoutingControl
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -134,24 +129,6 @@ def compute_advantages(algo: Algorithm, trajectories: Sequence[Any]) -> np.ndarr
     return algo.batch_advantages(rewards, [t.group_id for t in trajectories]).float().numpy()
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """An HF causal LM (K3 included) from `path`, dropout off, in `dtype` on `device`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
-    if json.loads(config_file.read_text()).get("model_type") not in CONFIG_MAPPING:
-        import model.modeling  # noqa: F401  (registers k3rl's own model types with the Auto classes)
-    config = AutoConfig.from_pretrained(path)
-    for name, value in list(config.to_dict().items()):
-        if (name.endswith("dropout") or name.endswith("_pdrop")) and isinstance(value, float):
-            setattr(config, name, 0.0)
-    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
-
-
 class Learner:
     """One data-parallel rank: policy, optimizer, `train_step`, weights for sync, checkpoints.
 
@@ -166,31 +143,27 @@ class Learner:
         self.world_size = parallel.get_world_size(group)
         self.device = torch.device(cfg.device)
         self.algo = get_algo(cfg.algo, **dict(cfg.algo_args))
-        self.model = load_policy(cfg.model_path, DTYPES[cfg.dtype], self.device)
+        self.policy = load_policy(cfg.model_path, DTYPES[cfg.dtype], self.device)
+        self.model = self.policy.model
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
-        self._check_head()
-        forward_args = inspect.signature(self.model.forward).parameters
-        self._native_hidden = "return_hidden_states" in forward_args
-        self._keep_arg = "logits_to_keep" in forward_args
+        self.policy.check_head()
+        bad = self.policy.nonfinite_parameters()
+        if bad:
+            # every step would be skipped by the non-finite guard, forever: refuse instead
+            raise ValueError(f"{cfg.model_path}: non-finite weights in {len(bad)} parameter tensor(s) "
+                             f"({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''}); the learner refuses to start")
         self._routing = RoutingControl(self.model)
-        self._replay = bool(cfg.routing_replay and self._routing and "routed_expert_ids" in forward_args)
-        self.ref_model = None
+        self._replay = bool(cfg.routing_replay and self._routing and self.policy.is_k3)
+        self.ref_policy: Optional[Policy] = None
         if getattr(self.algo.cfg, "kl_coef", 0.0) > 0:
-            self.ref_model = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device).eval()
-            self.ref_model.requires_grad_(False)
+            self.ref_policy = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device)
+            self.ref_policy.model.eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizers = self._build_optimizers()
         self.version = 0
         self.tokenizer_path = Path(cfg.model_path)
-
-    def _check_head(self) -> None:
-        head = self.model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("the LM head has a bias, which selected_logprobs does not model")
-        if getattr(self.model.config, "final_logit_softcapping", None):
-            raise ValueError("final_logit_softcapping is not supported by the chunked log-prob path")
 
     def _build_optimizers(self) -> list[torch.optim.Optimizer]:
         cfg = self.cfg
@@ -224,22 +197,12 @@ class Learner:
     def _replay_shape(self) -> Optional[tuple[int, int]]:
         return self.routing_shape if self._replay else None
 
-    def logprobs(self, model: nn.Module, mb: MicroBatch, replay: bool,
+    def logprobs(self, policy: Policy, mb: MicroBatch, replay: bool,
                  entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """log π(target) [N] (and entropy [N]) on the loss-mask positions of a micro-batch."""
-        lm_scale = float(getattr(model.config, "logit_scale", None) or 1.0)
-        keep = {"logits_to_keep": 1} if self._keep_arg else {}
-        if self._native_hidden:
-            routed = mb.routed if replay else None
-            out = model(mb.input_ids, routed_expert_ids=routed, return_hidden_states=True, **keep)
-            hidden = model.model.norm(out.hidden_states[mb.loss_mask])  # [N, d]
-        else:
-            out = model(input_ids=mb.input_ids, attention_mask=mb.valid.long(), output_hidden_states=True,
-                        use_cache=False, **keep)
-            hidden = out.hidden_states[-1][mb.loss_mask]  # [N, d], already normed
-        weight = model.get_output_embeddings().weight  # [V, d]
-        result = selected_logprobs(hidden, weight, mb.targets, self.cfg.logprob_chunk_size, lm_scale,
-                                   return_entropy=entropy)
+        hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(),
+                                     routed_expert_ids=mb.routed if replay else None, rows=mb.loss_mask)  # [N, d]
+        result = policy.selected_logprobs(hidden, mb.targets, self.cfg.logprob_chunk_size, entropy=entropy)
         return result if entropy else (result, None)
 
     @torch.no_grad()
@@ -257,7 +220,7 @@ class Learner:
             for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens):
                 mb = collate([prepared[live[j]] for j in idx], self.device, self._replay_shape)
                 with self._routing.batch(mb.valid) if self._routing else nullcontext():
-                    logp, _ = self.logprobs(self.model, mb, self._replay and mb.routed is not None)
+                    logp, _ = self.logprobs(self.policy, mb, self._replay and mb.routed is not None)
                 per_seq = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
                 for j, part in zip(idx, logp.double().cpu().split(per_seq)):
                     out[live[j]] = part.numpy()
@@ -268,11 +231,11 @@ class Learner:
 
     def _micro_batch(self, mb: MicroBatch, n_tokens: float, n_seqs: float) -> tuple[torch.Tensor, dict]:
         ref = None
-        if self.ref_model is not None:
+        if self.ref_policy is not None:
             with torch.no_grad():
-                ref, _ = self.logprobs(self.ref_model, mb, replay=False)
+                ref, _ = self.logprobs(self.ref_policy, mb, replay=False)
         with self._routing.batch(mb.valid) if self._routing else nullcontext():
-            logp, entropy = self.logprobs(self.model, mb, self._replay and mb.routed is not None,
+            logp, entropy = self.logprobs(self.policy, mb, self._replay and mb.routed is not None,
                                           entropy=self.cfg.compute_entropy)
             inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
                                 behaviour_logprobs=mb.behaviour.to(logp.dtype), advantages=mb.advantages.to(logp.dtype),
@@ -565,4 +528,4 @@ class LearnerGroup:
         remove_placement_group(self.placement_group)
 
 
-__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker", "compute_advantages", "load_policy"]
+__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker", "compute_advantages"]

@@ -18,28 +18,31 @@ that best matches the query; the system message is the `minimal` tool list. Succ
 match; the reward is the environment's (0.9 × answer F1 + 0.1 × evidence recall).
 
 What RL has to improve. In 55% of the SFT demonstrations the teacher hedges its final answer
-("grey, I think": `sft.hedging_rate`, `sft.hedge`, `rl.sft.HedgingPolicy`); the rest are the
-oracle's. The warm-started policy picks the habit up and hedges about half of its held-out answers,
+("grey, I think": `sft.hedging_rate`, `sft.hedge`, `envs.teachers.HedgingPolicy`); the rest are the
+oracle's. The warm-started policy picks the habit up and hedges 42–100% of its held-out answers,
 which exact match rejects. Only the reward says the hedge is wrong (F1 0.5 for a hedged right
 colour, 1.0 for a bare one) and GRPO with a small KL anchor to the SFT policy unlearns it. This is
-the planted habit, not new knowledge: RL does not teach the model to read (on the run below the
-share of answers holding the right colour fell from 84% to 64% while the hedge went from 53% to 0%).
+the planted habit, not new knowledge: RL does not teach the model to read; with the 4-layer model
+it no longer costs reading either (share of answers holding the right colour before → after RL,
+seeds 0–3: 94 → 93%, 94 → 95%, 91 → 91%, 93 → 88%).
 
 What decides whether RL can show anything is SFT: the tiny model has to learn, in 120 steps, to copy
 the colour from the search result into its answer. Measured on a 2-core AVX2-only EPYC (issue 11),
 one run each, held-out share of answers holding the right colour after SFT (chance is 10%):
-* batch 8 (the previous recipe): seed 0 read 25–52% depending on prompt and near miss; seed 1
+* batch 8 (an earlier recipe): seed 0 read 25–52% depending on prompt and near miss; seed 1
   never (6–9%) with the compact or the minimal prompt, lr 1.5e-3 or 5e-3, batch 4 × 200 steps, or
   the loss on every token; seed 2 never (6%). When the model cannot read, no hedge removal moves
   exact match, and 8 GRPO steps leave the hedge in place (0/100 → 0/100, the issue's report).
-* batch 16: seed 1 read 85% (loss 0.032), seed 0 84%: the gradient noise of batch 8 is what kept the
-  copying from forming. It costs 2.4 s per step instead of 1.15.
-* the previous recipe's lr 2e-4 collapsed the tool format at step 3 on this machine (95% of episodes
-  truncated); lr 1e-4 left the hedge untouched after 8 steps; 1.5e-4 removes it.
+* batch 16 (8 layers): seed 1 read 85% (loss 0.032), seed 0 84%: the gradient noise of batch 8 is
+  what kept the copying from forming — but the job took 11–15 minutes.
+* batch 16 with the tiny K3 cut to 4 layers (3 KDA + 1 MLA, the recipe's `model:` section): seed 1
+  94%, seed 2 91% (loss 0.027), at 1.7–1.8 s per step instead of 3.1–3.9; the whole job 7–8 minutes.
+* lr 2e-4 collapsed the tool format at step 3 with the 8-layer model (95% of episodes truncated);
+  lr 1e-4 left the hedge untouched after 8 steps; 1.5e-4 removes it.
 * `tool_prompt: minimal` (119 prompt tokens instead of 297) makes each SFT and learner step ~1.6×
   cheaper; the near miss (`distractors: 1`) made reading harder still (25% vs 37% for seed 0).
-Measured, fresh clone, seed 0: 43/100 before RL [0.337, 0.528], 64/100 after [0.542, 0.727],
-difference +0.21 [+0.07, +0.34]; `bench/quickstart_seeds.py` runs other seeds and code paths.
+`bench/quickstart_seeds.py` runs the recipe over seeds and CPU code paths; bench/README.md has the
+table (every run so far beyond its interval).
 
 Everything lands in one run directory, `run.output_dir/run.name` (a `-2`, `-3`, … suffix when it
 exists already): `init/`, `sft/` (model, demos, loss), `rl/` (checkpoints, metrics.jsonl,
@@ -97,7 +100,7 @@ def collapses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def report(rl_dir: Path, started: float, hedge: str = "", success_key: str = "em") -> dict[str, Any]:
+def report(rl_dir: Path, started: float, hedge: str = "", success_key: str | None = "em") -> dict[str, Any]:
     """Before/after numbers from the RL run's metrics (the step-0 and the last evaluation), what
     the held-out episodes did differently (`rl.transcripts.behaviour`), a few of them side by side,
     and any training collapse."""
@@ -303,7 +306,7 @@ def run_quickstart(cfg: Any) -> Path:
     from rl.transcripts import markdown
 
     result = report(rl_dir, started, hedge=sft.hedge if sft.hedging_rate > 0 else "",
-                    success_key=rl.success_key)
+                    success_key=trainer.success_key)
     result["run_dir"] = str(run_dir.resolve())
     (run_dir / "report.json").write_text(json.dumps(result, indent=1))
     if result.get("transcripts"):

@@ -86,8 +86,9 @@ def check_vllm(work_dir: Path) -> dict:
     configure_cpu_env()
     import torch
     import vllm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from model.policy import load_policy
     from rollout.tiny_qwen3 import build_tiny_qwen3
 
     model_dir = build_tiny_qwen3(work_dir / "tiny-qwen3")
@@ -97,13 +98,18 @@ def check_vllm(work_dir: Path) -> dict:
     llm = make_cpu_llm(str(model_dir), max_model_len=512)
     params = vllm.SamplingParams(n=2, max_tokens=24, temperature=1.0, logprobs=0, seed=0)
     out = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # the toolkit's own scoring path (the learner's): final hidden states → chunked selected log-probs
+    policy = load_policy(model_dir, dtype=torch.float32)
+    policy.model.eval()
     worst, n_tokens = 0.0, 0
     for sample in out.outputs:
         ids = list(sample.token_ids)
+        seq = torch.tensor([prompt + ids])  # [1, P + n]
+        rows = torch.zeros_like(seq, dtype=torch.bool)
+        rows[0, len(prompt) - 1:-1] = True  # the positions that predict the sampled tokens
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double()
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            hidden = policy.final_hidden(seq, attention_mask=torch.ones_like(seq), rows=rows)  # [n, d]
+            ref = policy.selected_logprobs(hidden, torch.tensor(ids)).double()  # [n]
         got = torch.tensor([step[tok].logprob for step, tok in zip(sample.logprobs, ids)], dtype=torch.float64)
         worst = max(worst, (ref - got).abs().max().item())
         n_tokens += len(ids)

@@ -32,7 +32,7 @@ to metrics.jsonl; it is never trained on. Each collection is checked on arrival:
 token must carry the version last pushed to that worker, otherwise a weight push was lost and
 the run stops (`WeightSyncError`) rather than train on tokens from unknown weights.
 
-Failures. A rollout actor that dies (`RayActorError` from a collection or a weight push) is
+Failures (rl/rollout_pool.py owns the actors). A rollout actor that dies (`RayActorError` from a collection or a weight push) is
 replaced by a new actor that first receives the current weights; its tasks are collected again
 (an eval chunk is re-run). `workers/restarts` counts replacements; `rl.max_worker_restarts`
 bounds them. A learner failure ends the run; `rl.resume=true` continues from the last checkpoint.
@@ -51,7 +51,7 @@ the learner and driver states are restored, weights are pushed, metrics.jsonl is
 checkpoint's step and appended to. A fresh run refuses a run directory that already holds one.
 
 Metrics of a step (metrics.jsonl; TensorBoard gets the numbers): `reward/*`, `success/rate`
-(`rewards[rl.success_key] ≥ 1`), `evidence_recall/mean` (when the environment reports it),
+(the environment's success rule, rl/evaluate.py), `evidence_recall/mean` (when the environment reports it),
 `episode/*` (tokens, sampled tokens, turns, tool calls, truncated fraction), `groups/*`,
 `staleness/mean|max`, `buffer/*`, `workers/restarts`, `policy/version`, `train/*` (everything
 the learner reports: loss, `mismatch_kl`, `kl_ref`, clip fractions, grad norm, `maxvio/<layer>`
@@ -59,7 +59,8 @@ of MoE models, …), `perf/*` (step time, time waiting for rollouts, training an
 time; `gen_tokens_per_s` = tokens sampled by the collections that arrived during the step ÷ the
 step's wall time, `train_tokens_per_s` from the learner), `eval/*` on evaluation steps, and
 `batch` / `dropped`: [group_id, trajectories, oldest policy version] of every group trained or
-dropped. Callbacks `fn(trainer, StepResult)` run after each step is logged and saved. Every
+dropped. `eval/*` comes from `rl.evaluate.score`: success rate with its Wilson interval, and every
+numeric reward component the environment reports with `_ci_low/_ci_high`. Callbacks `fn(trainer, StepResult)` run after each step is logged and saved. Every
 held-out evaluation also writes its episodes as text to `eval/step_NNNN.jsonl` (`rl/transcripts.py`).
 
 `rl.model_path` is the initial policy (an HF directory: `k3rl init`, an SFT output, or any HF
@@ -77,7 +78,7 @@ import random
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -88,40 +89,15 @@ from ray.exceptions import RayActorError
 from rl.buffer import Taken, TrajectoryBuffer
 from rl.cluster import init_ray
 from rl.config import ConfigError, JobConfig, load_config, to_yaml
-from rl.metrics import METRICS_FILE, MetricsLogger, plot, wilson_interval
+from rl.evaluate import is_success, score, success_rule
+from rl.metrics import METRICS_FILE, MetricsLogger, plot
 from rl.tasks import make_tasks, remove_training_tasks
 from rl.transcripts import write_eval_episodes
-from rollout.worker import RolloutWorker, WorkerSpec
+from rl.rollout_pool import RolloutPool, WeightSyncError  # noqa: F401  (WeightSyncError: re-exported)
+from rollout.worker import WorkerSpec
 
 
 TrainJobConfig = JobConfig
-
-
-class WeightSyncError(RuntimeError):
-    """A rollout engine sampled with weights other than the ones the driver last pushed to it."""
-
-
-@dataclass
-class _Chunk:
-    """One `collect` call in flight."""
-
-    kind: str
-    """`train` or `eval`."""
-    tasks: list[tuple[str, Any]]
-    version: int
-    """Weights version the worker holds when it runs this call (the last one pushed before it)."""
-    ref: Any
-
-
-@dataclass
-class _Slot:
-    """A rollout worker position: its actor (replaced when it dies) and what is queued on it."""
-
-    actor: Any
-    version: int = 0
-    pushes: list = field(default_factory=list)
-    """(ObjectRef, version) of weight pushes not yet confirmed."""
-    chunk: Optional[_Chunk] = None
 
 
 @dataclass
@@ -139,18 +115,31 @@ def _task_id(task: Any, fallback: str) -> str:
     return str(task["id"]) if isinstance(task, dict) and "id" in task else fallback
 
 
-def read_tasks(path: str | Path) -> list[Any]:
-    """Tasks of a JSONL file, one JSON value per non-empty line."""
+def read_tasks(path: str | Path, env: Any = None) -> list[Any]:
+    """Tasks of a JSONL file, one JSON value per non-empty line. With `env`, every task is checked by
+    starting an episode on it (`env.reset`), so a row of the wrong shape is named (file and line)
+    before anything runs instead of failing later inside a rollout worker."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"task file not found: {path}")
     tasks = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                tasks.append(json.loads(line))
+                task = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            if env is not None:
+                try:
+                    env.reset(task)
+                except Exception as e:  # whatever the environment raises for a task it cannot start
+                    raise ConfigError(f"{path}:{i}: not a task of environment {type(env).__name__} "
+                                      f"({type(e).__name__}: {e})") from None
+            tasks.append(task)
     return tasks
 
 
@@ -172,9 +161,8 @@ class Trainer:
         self._check_config()
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.checkpoints = ckpt.CheckpointManager(self.run_dir / "checkpoints", keep=rl.keep_checkpoints)
+        self._resume_notes: list[str] = []
         latest = self._resume_point()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
         import torch
@@ -183,7 +171,12 @@ class Trainer:
 
         self.env_args = OmegaConf.to_container(rl.env_args, resolve=True) if OmegaConf.is_config(rl.env_args) \
             else dict(rl.env_args)
-        env = envs.make(rl.env, **self.env_args)
+        try:
+            env = envs.make(rl.env, **self.env_args)
+        except TypeError as e:  # an argument the environment does not take (`rl.env_args.lenght`)
+            raise ConfigError(f"rl.env_args: environment {rl.env!r} does not take these arguments ({e})") from None
+        self.success_key = success_rule(env, rl.success_key)
+        """The reward component whose value ≥ 1 is a success (None: reward ≥ 1), rl/evaluate.py."""
         self.train_tasks, self.eval_tasks = self._load_tasks(env)
         self.max_staleness = rl.max_staleness if rl.mode == "async" else 0
         self.chunk_tasks = math.ceil(rl.tasks_per_step / rl.num_rollout_workers)
@@ -199,9 +192,6 @@ class Trainer:
         self.version = 0
         self.cursor = 0
         """Training tasks handed out so far, over all epochs."""
-        self.chunk_counter = 0
-        self.spawned = 0
-        self.restarts = 0
         self.requeue: deque[tuple[str, Any]] = deque()
         """Tasks whose collection was lost with a worker, handed out again before new ones."""
         self.buffer = TrajectoryBuffer()
@@ -214,17 +204,18 @@ class Trainer:
 
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray, py_modules=self._env_modules)
-        self._worker_env = None
+        worker_env = None
         if self._env_modules and not self._owns_ray:
             # This process was connected to Ray before the trainer (a notebook, a test): the job's runtime
             # env is fixed, and Ray uploads local modules only at the job level, so the rollout actors find
             # the user's module through PYTHONPATH instead, which reaches workers on this machine only.
             paths = [str(p.parent) for p in self._env_modules] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-            self._worker_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
-        self._remote_worker = ray.remote(RolloutWorker)
+            worker_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
         self.learner = None
-        self.slots: list[_Slot] = []
         self.logger: Optional[MetricsLogger] = None
+        self.pool = RolloutPool(self.spec, rl.num_rollout_workers, rl.rollout_num_cpus, rl.rollout_num_gpus,
+                                max_restarts=rl.max_worker_restarts, runtime_env=worker_env,
+                                log=lambda line: self.logger.print(line) if self.logger is not None else None)
         try:
             self._check_resources()
             learner_cfg = LearnerConfig.from_job(cfg, rl.model_path)
@@ -232,15 +223,19 @@ class Trainer:
                                         num_gpus_per_rank=rl.learner_num_gpus)
             if latest is not None:
                 self._restore(latest)
-            self.slots = [_Slot(self._spawn()) for _ in range(rl.num_rollout_workers)]
-            self._weights: tuple[int, Any] = (0, None)
+            self.pool.start()
             if self.version > 0:
                 self._push_weights(blocking=True)
-            resume_step = self.step if latest is not None else (-1 if rl.resume else None)
+            # Only now that the resume point has loaded is anything in the run directory written.
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            resume_step = self.step if latest is not None else None
             self.logger = MetricsLogger(self.run_dir, rl.steps, resume_step=resume_step)
         except BaseException:
             self.close()
             raise
+        for line in self._resume_notes:
+            self.logger.print(line)
         if latest is not None:
             self.logger.print(f"resumed from {latest} at step {self.step} (policy version {self.version}, "
                               f"{self.restored_trajectories} collected trajectories waiting)")
@@ -280,9 +275,17 @@ class Trainer:
         from rl.learner import LearnerConfig
 
         try:
-            LearnerConfig.from_job(self.cfg, rl.model_path)
+            learner_cfg = LearnerConfig.from_job(self.cfg, rl.model_path)
         except ValueError as e:
             raise ConfigError(f"learner.{e}") from None
+        from rl.algos import get_algo
+
+        try:
+            get_algo(rl.algo, **learner_cfg.algo_args)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"rl.algo / rl.algo_args: {e}") from None
+        if rl.engine not in ("torch", "vllm"):
+            raise ConfigError(f"rl.engine: {rl.engine!r} is not one of torch, vllm")
 
         try:
             resolve(rl.env)
@@ -296,24 +299,40 @@ class Trainer:
     def _resume_point(self) -> Optional[Path]:
         from rl import checkpoint as ckpt
 
-        has_run = (self.run_dir / METRICS_FILE).exists() or bool(ckpt.list_checkpoints(self.checkpoints.root))
+        metrics = self.run_dir / METRICS_FILE
+        saved = ckpt.list_checkpoints(self.checkpoints.root)
+        has_run = metrics.exists() or bool(saved)
         if not self.rl.resume:
             if has_run:
                 raise ConfigError(f"run directory {self.run_dir} already holds a run; set rl.resume=true to continue "
                                   f"it, or choose another run.name")
             return None
-        return self.checkpoints.latest()
+        skipped: list[str] = []
+
+        def corrupt(path: Path, error: Exception) -> None:
+            skipped.append(f"{path.name}: {error}")
+
+        latest = ckpt.find_latest(self.checkpoints.root, on_corrupt=corrupt)
+        self._resume_notes = [f"[yellow]skipped checkpoint {line}" for line in skipped]
+        if latest is None and has_run:
+            why = "; ".join(skipped) if skipped else "no checkpoint directory holds a COMPLETE manifest"
+            raise ConfigError(f"rl.resume=true: {self.run_dir} holds a run but no checkpoint that loads ({why}); "
+                              f"nothing was changed. Start a new run with another run.name")
+        if latest is not None and skipped:
+            self._resume_notes.append(f"[yellow]resuming from the newest checkpoint that verifies, {latest.name}: "
+                                      f"the steps after it are trained again")
+        return latest
 
     def _load_tasks(self, env: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         rl = self.rl
         self._dropped_line: Optional[str] = None
-        train = read_tasks(rl.tasks_path) if rl.tasks_path else make_tasks(env, rl.num_tasks, self.cfg.run.seed,
+        train = read_tasks(rl.tasks_path, env) if rl.tasks_path else make_tasks(env, rl.num_tasks, self.cfg.run.seed,
                                                                            "rl.num_tasks / rl.env_args")
         if not train:
             raise ConfigError("no training tasks (rl.tasks_path is empty, or rl.num_tasks is 0)")
         held_out = []
         if rl.eval_every > 0:
-            held_out = read_tasks(rl.eval_tasks_path) if rl.eval_tasks_path else (
+            held_out = read_tasks(rl.eval_tasks_path, env) if rl.eval_tasks_path else (
                 make_tasks(env, rl.eval_tasks, rl.eval_seed, "rl.eval_tasks / rl.env_args") if rl.eval_tasks > 0 else [])
             held_out, self._dropped_line = remove_training_tasks(held_out, train)
         named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],
@@ -326,63 +345,13 @@ class Trainer:
 
     # ---- workers and weights
 
-    def _spawn(self) -> Any:
-        """A new rollout actor, seeded apart from every earlier one; SPREAD places actors across nodes."""
-        from dataclasses import replace
-
-        self.spawned += 1
-        spec = replace(self.spec, seed=self.spec.seed + 7919 * self.spawned)
-        options: dict[str, Any] = {"num_cpus": self.rl.rollout_num_cpus, "max_restarts": 0,
-                                   "scheduling_strategy": "SPREAD"}
-        if self.rl.rollout_num_gpus:
-            options["num_gpus"] = self.rl.rollout_num_gpus
-        if self._worker_env:
-            options["runtime_env"] = self._worker_env
-        return self._remote_worker.options(**options).remote(spec)
-
     @property
     def worker_actors(self) -> list:
-        return [s.actor for s in self.slots]
+        return self.pool.actors
 
     def _push_weights(self, blocking: bool) -> None:
-        """Queue the learner's weights (with its version) on every worker; `blocking` waits for each to confirm."""
-        ref = ray.put(self.learner.named_weights())
-        self._weights = (self.version, ref)
-        for slot in self.slots:
-            slot.pushes.append((slot.actor.load_weights.remote(ref, self.version), self.version))
-            slot.version = self.version
-        if blocking:
-            for slot in self.slots:
-                try:
-                    self._confirm(slot)
-                except RayActorError as e:
-                    self._replace(slot, e)
-
-    def _confirm(self, slot: _Slot) -> None:
-        for ref, version in slot.pushes:
-            got = ray.get(ref)
-            if got != version:
-                raise WeightSyncError(f"a rollout engine reports version {got} after a push of version {version}")
-        slot.pushes = []
-
-    def _replace(self, slot: _Slot, error: BaseException) -> None:
-        """Swap a dead actor for a new one holding the current weights."""
-        self.restarts += 1
-        if self.restarts > self.rl.max_worker_restarts:
-            raise RuntimeError(f"rollout workers died {self.restarts} times (rl.max_worker_restarts="
-                               f"{self.rl.max_worker_restarts}); last error: {error}") from error
-        if self.logger is not None:
-            self.logger.print(f"[yellow]rollout worker died ({type(error).__name__}); starting a replacement")
-        ray.kill(slot.actor, no_restart=True)
-        slot.actor, slot.pushes, slot.version, slot.chunk = self._spawn(), [], 0, None
-        version, ref = self._weights
-        if ref is not None:
-            slot.pushes.append((slot.actor.load_weights.remote(ref, version), version))
-            slot.version = version
-            try:
-                self._confirm(slot)
-            except RayActorError as e:
-                self._replace(slot, e)
+        """The learner's weights (with its version) to every rollout worker; `blocking` waits for each."""
+        self.pool.push_weights(self.learner.named_weights(), self.version, blocking)
 
     # ---- collection
 
@@ -399,8 +368,7 @@ class Trainer:
             self.cursor += 1
         return out
 
-    def _dispatch(self, slot: _Slot, kind: str, tasks: list[tuple[str, Any]]) -> None:
-        self.chunk_counter += 1
+    def _dispatch(self, slot: Any, kind: str, tasks: list[tuple[str, Any]]) -> None:
         if kind == "train":
             # a call spanning two epochs may hold a task twice: its second group gets its own id
             seen: Counter = Counter()
@@ -408,19 +376,14 @@ class Trainer:
             for task_id, task in tasks:
                 seen[task_id] += 1
                 named.append((task_id if seen[task_id] == 1 else f"{task_id}#{seen[task_id]}", task))
-            ref = slot.actor.collect.remote(named, self.rl.group_size, f"c{self.chunk_counter}/")
+            self.pool.dispatch(slot, "train", tasks, self.rl.group_size, named=named)
         else:
-            ref = slot.actor.collect.remote(tasks, 1, f"eval{self.step}/", self.eval_sampling)
-        slot.chunk = _Chunk(kind, tasks, slot.version, ref)
-
-    def _in_flight(self, kind: str) -> int:
-        return sum(len(s.chunk.tasks) for s in self.slots if s.chunk is not None and s.chunk.kind == kind)
+            self.pool.dispatch(slot, "eval", tasks, 1, prefix=f"eval{self.step}/", sampling=self.eval_sampling)
 
     def _fill(self, target_groups: int) -> None:
         """Hand training tasks to idle workers while waiting + in-flight groups stay below `target_groups`."""
-        missing = target_groups - self.buffer.available(self.version, self.max_staleness) - self._in_flight("train")
-        idle = [s for s in self.slots if s.chunk is None]
-        for slot in idle:
+        missing = target_groups - self.buffer.available(self.version, self.max_staleness) - self.pool.in_flight("train")
+        for slot in self.pool.idle():
             if missing <= 0:
                 break
             k = min(self.chunk_tasks, missing)
@@ -428,48 +391,22 @@ class Trainer:
             missing -= k
 
     def _wait(self, timeout: Optional[float] = None) -> int:
-        """Wait for at least one collection (or `timeout`), then take in every finished one; returns how many."""
-        busy = [s for s in self.slots if s.chunk is not None]
-        if not busy:
-            return 0
-        refs = [s.chunk.ref for s in busy]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-        if not ready:
-            return 0
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = set(ready)
-        for slot in busy:
-            if slot.chunk.ref in done:
-                self._finish(slot)
-        return len(done)
-
-    def _finish(self, slot: _Slot) -> None:
-        chunk, slot.chunk = slot.chunk, None
-        try:
-            trajectories = ray.get(chunk.ref)
-        except RayActorError as e:
-            if chunk.kind == "train":
-                self.requeue.extendleft(reversed(chunk.tasks))
+        """Wait for at least one collection (or `timeout`) and route every finished one: training groups to
+        the buffer, held-out episodes to the evaluation; a collection lost with its actor is queued again."""
+        finished = self.pool.wait(timeout)
+        for f in finished:
+            chunk, trajectories = f.chunk, f.trajectories
+            if trajectories is None:
+                if chunk.kind == "train":
+                    self.requeue.extendleft(reversed(chunk.tasks))
+                else:
+                    self._eval_pending.appendleft(chunk.tasks)
+            elif chunk.kind == "train":
+                self.buffer.add(trajectories)
+                self._gen_tokens += sum(t.num_sampled for t in trajectories)
             else:
-                self._eval_pending.appendleft(chunk.tasks)
-            self._replace(slot, e)
-            return
-        try:
-            self._confirm(slot)
-        except RayActorError as e:
-            # the collection came back; the actor died afterwards, on a weight push queued behind it
-            self._replace(slot, e)
-        for t in trajectories:
-            sampled = t.versions[t.loss_mask.astype(bool)]
-            if len(sampled) and not (sampled == chunk.version).all():
-                versions = sorted(set(sampled.tolist()))
-                raise WeightSyncError(f"trajectory {t.group_id!r} holds tokens of versions {versions}, but version "
-                                      f"{chunk.version} was the last pushed to its worker")
-        if chunk.kind == "train":
-            self.buffer.add(trajectories)
-            self._gen_tokens += sum(t.num_sampled for t in trajectories)
-        else:
-            self._eval_results.extend(trajectories)
+                self._eval_results.extend(trajectories)
+        return len(finished)
 
     def _collect(self) -> None:
         """Until `tasks_per_step` groups within the bound wait in the buffer."""
@@ -480,7 +417,7 @@ class Trainer:
             self._wait()
 
     def _drain(self) -> None:
-        while any(s.chunk is not None for s in self.slots):
+        while self.pool.busy():
             self._wait()
 
     # ---- the loop
@@ -538,8 +475,7 @@ class Trainer:
             callback(self, result)
 
     def _success(self, t: Any) -> bool:
-        key = self.rl.success_key
-        return (t.rewards[key] if key in t.rewards else t.reward) >= 1.0
+        return is_success(t, self.success_key)
 
     def _step_metrics(self, taken: Taken, learner_version: int, learner_metrics: dict) -> dict[str, float]:
         trajs = taken.trajectories
@@ -562,7 +498,7 @@ class Trainer:
             "buffer/dropped_stale_groups": float(len(taken.dropped)),
             "buffer/dropped_stale_total": float(self.buffer.dropped_groups),
             "buffer/waiting_groups": float(len(self.buffer)),
-            "workers/restarts": float(self.restarts), "policy/version": float(self.version),
+            "workers/restarts": float(self.pool.restarts), "policy/version": float(self.version),
         }
         recall = [t.rewards["evidence_recall"] for t in trajs if "evidence_recall" in t.rewards]
         if recall:
@@ -574,27 +510,17 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         """Held-out tasks, one greedy (or `eval_temperature`) episode each, spread over the workers."""
-        size = math.ceil(len(self.eval_tasks) / len(self.slots))
+        size = math.ceil(len(self.eval_tasks) / len(self.pool.slots))
         self._eval_pending = deque(self.eval_tasks[i:i + size] for i in range(0, len(self.eval_tasks), size))
         self._eval_results = []
-        while self._eval_pending or self._in_flight("eval"):
-            for slot in self.slots:
-                if slot.chunk is None and self._eval_pending:
+        while self._eval_pending or self.pool.in_flight("eval"):
+            for slot in self.pool.idle():
+                if self._eval_pending:
                     self._dispatch(slot, "eval", self._eval_pending.popleft())
             self._wait()
         results, self._eval_results = self._eval_results, []
         write_eval_episodes(self.run_dir, self.step, results, self._tokenizer())
-        n = len(results)
-        k = sum(self._success(t) for t in results)
-        low, high = wilson_interval(k, n)
-        out = {"eval/success_rate": k / n, "eval/ci_low": low, "eval/ci_high": high, "eval/num_tasks": float(n),
-               "eval/successes": float(k), "eval/reward_mean": float(np.mean([t.reward for t in results])),
-               "eval/tool_calls": float(np.mean([t.metrics.get("tool_calls", 0.0) for t in results]))}
-        for key in ("em", "f1", "evidence_recall"):  # the answer-quality components environments report
-            values = [t.rewards[key] for t in results if key in t.rewards]
-            if values:
-                out[f"eval/{key}"] = float(np.mean(values))
-        return out
+        return score(results, self.success_key).metrics("eval/")
 
     def _tokenizer(self) -> Any:
         """The policy's tokenizer (for the held-out transcripts), loaded on first use."""
@@ -615,7 +541,7 @@ class Trainer:
             self.learner.save_into(tmp)
             ckpt.save_trainer_state(tmp, {
                 "step": self.step, "version": self.version, "cursor": self.cursor,
-                "chunk_counter": self.chunk_counter, "spawned": self.spawned, "restarts": self.restarts,
+                **self.pool.state_dict(),
                 "requeue": list(self.requeue), "unconsumed": self.buffer.trajectories(),
                 "dropped_groups": self.buffer.dropped_groups,
                 "dropped_trajectories": self.buffer.dropped_trajectories})
@@ -630,8 +556,7 @@ class Trainer:
             raise ckpt.CorruptCheckpointError(f"{path}: the learner is at version {version}, the trainer state "
                                               f"says {state['version']}")
         self.step, self.version, self.cursor = int(state["step"]), version, int(state["cursor"])
-        self.chunk_counter, self.spawned = int(state["chunk_counter"]), int(state["spawned"])
-        self.restarts = int(state["restarts"])
+        self.pool.load_state_dict(state)
         self.requeue = deque(tuple(t) for t in state["requeue"])
         self.buffer.load_state_dict({"trajectories": state["unconsumed"], "dropped_groups": state["dropped_groups"],
                                      "dropped_trajectories": state["dropped_trajectories"]})
@@ -639,9 +564,7 @@ class Trainer:
 
     def close(self) -> None:
         """Kill the rollout actors and the learner group; shut Ray down if this trainer started it."""
-        for slot in self.slots:
-            ray.kill(slot.actor, no_restart=True)
-        self.slots = []
+        self.pool.close()
         if self.learner is not None:
             learner, self.learner = self.learner, None
             try:

@@ -61,7 +61,7 @@ class AgentLoop:
         self._envs: list[Env] = []
 
     def _count_tokens(self, text: str) -> int:
-        return len(self.renderer.encode(text))
+        return len(self.renderer.encode_text(text, tool_result=True))
 
     def _turn_text(self, token_ids: list[int]) -> tuple[str, bool]:
         """Text of a sampled turn for the parser, and whether it ended with EOS (dropped from the text)."""

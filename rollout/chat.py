@@ -16,11 +16,39 @@ The delta is found by rendering a two-message conversation whose assistant conte
 sentinel and taking the text after the sentinel, so it works with any HF chat template (ChatML,
 Qwen3, the tiny K3 tokenizer's). If the model ended its turn with the EOS token itself, the
 template's own end-of-turn text is not repeated.
+
+Untrusted text never becomes control tokens. Message contents (system and task text, tool
+observations, corpus passages, echoed queries) go through `sanitize` before they reach the
+template: every occurrence of a special token's string (`<|im_end|>`, `<|im_system|>`, …) gets a
+WORD JOINER (U+2060) after its first character, so it is tokenized as ordinary text and reads the
+same; only the template's own structure produces special tokens. Tool results are stricter: the
+tool protocol's own added tokens (`<tool_call>`, `</tool_response>`, …) are broken the same way, so a
+passage cannot close the tool message or forge a call (the system message, written by the
+environment, keeps them: it shows the model the call syntax). Text without such strings is
+unchanged, token for token.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any, Sequence
+
 _SENTINEL = "\x00K3RL-SENTINEL\x00"
+WORD_JOINER = "\u2060"
+
+
+def control_strings(tokenizer, special_only: bool = True) -> list[str]:
+    """The strings `tokenizer` matches as one token before BPE, longest first: its special tokens, and
+    with `special_only=False` every other added token too (e.g. `<tool_call>`)."""
+    strings = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    if not special_only:
+        for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            strings.add(getattr(token, "content", str(token)))
+    return sorted((s for s in strings if len(s) > 1), key=len, reverse=True)
+
+
+def _pattern(strings: list[str]) -> "re.Pattern | None":
+    return re.compile("|".join(map(re.escape, strings))) if strings else None
 
 
 class ChatRenderer:
@@ -35,6 +63,8 @@ class ChatRenderer:
         from envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
         self._wrap = (TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+        self._specials = _pattern(control_strings(tokenizer))
+        self._added = _pattern(control_strings(tokenizer, special_only=False))
         probe = self._template([{"role": "user", "content": "u"}, {"role": tool_role, "content": "OBS"}], False)
         # Templates such as Qwen3's wrap tool messages in <tool_response> themselves; others don't.
         self._template_wraps = TOOL_RESPONSE_START in probe
@@ -42,24 +72,48 @@ class ChatRenderer:
     def _template(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    def sanitize(self, text: str, tool_result: bool = False) -> str:
+        """`text` with every special token's string (and, for a `tool_result`, every added token's) broken
+        by a word joiner (see module docstring)."""
+        pattern = self._added if tool_result else self._specials
+        if pattern is None or not isinstance(text, str):
+            return text
+        return pattern.sub(lambda m: m.group(0)[0] + WORD_JOINER + m.group(0)[1:], text)
+
     def encode(self, text: str) -> list[int]:
+        """Tokens of already-rendered text (template output), control strings active."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_text(self, text: str, tool_result: bool = False) -> list[int]:
+        """Tokens of untrusted text (an assistant turn written by a teacher; a tool result when counting
+        its tokens): never a special token (nor, for a `tool_result`, an added one)."""
+        return self.encode(self.sanitize(text, tool_result))
+
+    def _clean(self, message: dict) -> dict:
+        content = message.get("content")
+        if isinstance(content, list):  # multimodal parts: sanitize the text parts
+            content = [{**part, "text": self.sanitize(part["text"])} if isinstance(part, dict) and "text" in part
+                       else part for part in content]
+        else:
+            content = self.sanitize(content)
+        return {**message, "content": content}
 
     def prompt_tokens(self, messages: list[dict]) -> list[int]:
         """Tokens of the opening messages followed by the assistant generation prompt."""
         if not messages:
             raise ValueError("a prompt needs at least one message")
-        return self.encode(self._template(messages, True))
+        return self.encode(self._template([self._clean(m) for m in messages], True))
 
     def observation_tokens(self, observation: str, turn_ended_with_eos: bool) -> list[int]:
         """Tokens that follow a sampled assistant turn: its closing, one tool message, the next
         generation prompt."""
+        observation = self.sanitize(observation, tool_result=True)
         content = observation if self._template_wraps else f"{self._wrap[0]}\n{observation}\n{self._wrap[1]}"
         return self._after_turn({"role": self.tool_role, "content": content}, turn_ended_with_eos)
 
     def user_tokens(self, text: str, turn_ended_with_eos: bool) -> list[int]:
         """Like `observation_tokens`, for a plain user message (e.g. a nudge after a turn with no call)."""
-        return self._after_turn({"role": "user", "content": text}, turn_ended_with_eos)
+        return self._after_turn({"role": "user", "content": self.sanitize(text)}, turn_ended_with_eos)
 
     def _after_turn(self, message: dict, turn_ended_with_eos: bool) -> list[int]:
         text = self._template([{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL},
@@ -69,3 +123,43 @@ class ChatRenderer:
         if turn_ended_with_eos and eos and delta.startswith(eos):
             delta = delta[len(eos):]
         return self.encode(delta)
+
+
+def render_transcript(renderer: ChatRenderer, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int], list[int]]:
+    """A finished transcript (e.g. an oracle's episode) as the agent loop would have tokenised it.
+
+    Returns (input_ids [N], assistant_masks [N] with 1 on the model's own tokens, the token
+    count of each assistant turn). Messages after the last assistant turn (the terminal tool's
+    result) are not part of a rollout and are left out.
+    """
+    from envs.tools import STOP_SEQUENCES
+
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a demonstration needs at least one assistant turn")
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids = renderer.prompt_tokens([dict(m) for m in messages[:first]])
+    mask = [0] * len(ids)
+    turns: list[int] = []
+    ended_with_eos = False
+    for m in messages[first:last + 1]:
+        if m["role"] == "assistant":
+            text = m["content"]
+            stop = next((s for s in STOP_SEQUENCES if s in text), None)
+            if stop is not None and not text.endswith(stop):
+                raise ValueError(f"an assistant turn continues after {stop!r}; a rollout would have stopped there")
+            part = renderer.encode_text(text)
+            # The engine stops at a stop string; any other turn ends with the EOS the model samples.
+            ended_with_eos = stop is None
+            if ended_with_eos:
+                part = part + [renderer.eos_token_id]
+            turns.append(len(part))
+            ids += part
+            mask += [1] * len(part)
+        elif m["role"] == "tool":
+            part = renderer.observation_tokens(m["content"], ended_with_eos)
+            ids += part
+            mask += [0] * len(part)
+        else:
+            raise ValueError(f"unexpected {m['role']!r} message after the first assistant turn")
+    return ids, mask, turns

@@ -1,7 +1,7 @@
 """`TorchEngine`: k3rl's own batched sampler for `K3ForCausalLM` and any HF causal LM.
 
 The embedded default on the CPU (vLLM's K3 kernels need CUDA). One `generate` call:
-1. left-pads the prompts into one batch and prefills it (K3: the hybrid cache, KDA/conv states
+1. left-pads the prompts into one batch and prefills it through the policy adapter (model/policy.py; K3: the hybrid cache, KDA/conv states
    constant in length, MLA latents growing; HF models: their own KV cache) — each prompt once,
    then the cache rows are repeated for the `n` samples;
 2. decodes one token per running sequence per step, dropping finished rows from the batch
@@ -51,23 +51,27 @@ class TorchEngine:
     """Generate with a PyTorch model in this process; see module docstring."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", seed: int = 0, max_batch: int = 64):
+        from model.policy import Policy
+
         self.model = model.to(device).eval()
+        self.policy = Policy(self.model)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
-        self.is_k3 = hasattr(model, "new_cache")
+        self.is_k3 = self.policy.is_k3
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                         **kwargs) -> "TorchEngine":
-        import model.modeling  # noqa: F401  (registers K3 with the Auto classes; `model` itself is lazy)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        return cls(lm, AutoTokenizer.from_pretrained(model_dir), device=device, **kwargs)
+        from model.policy import load_policy
+
+        policy = load_policy(model_dir, dtype=dtype)
+        return cls(policy.model, AutoTokenizer.from_pretrained(model_dir), device=device, **kwargs)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         state = self.model.state_dict()
@@ -151,30 +155,10 @@ class TorchEngine:
         return any(s in tail for s in stops)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int):
-        if self.is_k3:
-            cache = self.model.new_cache(ids.shape[0], capacity=capacity)
-            out = self.model(ids, cache=cache, attention_mask=mask, logits_to_keep=1)
-            return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos[:, -1]}
+        return self.policy.prefill(ids, mask, capacity)
 
     def _decode(self, new: torch.Tensor, state: dict):
-        if self.is_k3:
-            out = self.model(new[:, None], cache=state["cache"])
-            state["route"] = self.model.last_routed_expert_ids()
-            return out.logits[:, -1], state
-        mask = torch.cat([state["mask"], torch.ones_like(new)[:, None]], dim=1)
-        pos = state["pos"] + 1
-        out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         past_key_values=state["cache"], use_cache=True)
-        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos}
+        return self.policy.decode(new, state)
 
     def _select(self, state: dict, index: torch.Tensor) -> dict:
-        if self.is_k3:
-            route = state.get("route")
-            return {"cache": state["cache"].select(index), "route": None if route is None else route[index]}
-        cache = state["cache"]
-        for layer in cache.layers:
-            layer.batch_select_indices(index)
-        return {"cache": cache, "mask": state["mask"][index], "pos": state["pos"][index]}
+        return self.policy.select(state, index)

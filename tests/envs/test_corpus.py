@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from envs import corpus as C
 from envs import corpus_cli, index, sources
-from envs.corpus import CorpusConfig, Document, chunk_document, load_corpus
+from envs.corpus import CorpusConfig, CorpusError, Document, chunk_document, load_corpus
 
 
 def test_chunking_keeps_spans_and_prefers_paragraphs():
@@ -218,3 +219,37 @@ def test_cli_build(tmp_path, jsonl_file, capsys):
     missing.write_text(f"name: m\nsource: null\nfiles: [{tmp_path / 'gone.jsonl'}]\ncache_dir: {tmp_path / 'c'}\n")
     assert corpus_cli.main(["build", str(missing)]) == 1
     assert corpus_cli.main([]) == 2 and corpus_cli.main(["--help"]) == 0
+
+
+def test_a_files_only_config_needs_no_source_null(tmp_path, jsonl_file, capsys):
+    cfg = tmp_path / "files.yaml"
+    cfg.write_text(f"files: [{jsonl_file}]\ncache_dir: {tmp_path / 'c'}\n")
+    assert corpus_cli.main(["build", str(cfg)]) == 0
+    name = Path(str(jsonl_file)).stem  # the default name: the first file's stem
+    assert (tmp_path / "c" / name / "manifest.json").is_file()
+    assert CorpusConfig().source == "wiki" and CorpusConfig().name == "wiki"
+    with pytest.raises(CorpusError, match="not both"):
+        load_corpus(CorpusConfig(source="wiki", files=[str(jsonl_file)], cache_dir=str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../other", "/abs/path", "a/b", ".hidden"])
+def test_a_corpus_name_that_is_not_one_folder_is_refused_and_deletes_nothing(tmp_path, jsonl_file, capsys, name):
+    cache = tmp_path / "c"
+    keep = cache / "other-corpus"
+    keep.mkdir(parents=True)
+    (keep / "manifest.json").write_text("{}")
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(json.dumps({"name": name, "files": [str(jsonl_file)], "cache_dir": str(cache)}))
+    assert corpus_cli.main(["build", str(cfg)]) == 1
+    captured = capsys.readouterr()
+    assert "must be a plain folder name" in " ".join((captured.out + captured.err).split())
+    assert (keep / "manifest.json").read_text() == "{}" and sorted(p.name for p in cache.iterdir()) == ["other-corpus"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "txt"])
+def test_a_non_utf8_corpus_file_is_named(tmp_path, suffix):
+    path = tmp_path / f"latin.{suffix}"
+    body = '{"text": "caf\xe9 au lait"}\n' if suffix == "jsonl" else "caf\xe9 au lait\n"
+    path.write_bytes(body.encode("latin-1"))
+    with pytest.raises(sources.CorruptCorpusError, match=f"{path}: not (readable as )?UTF-8 text"):
+        sources.load_documents([str(path)], "auto", "text", "title", "id")

@@ -53,7 +53,9 @@ def test_commit_pointer_and_retention(tmp_path):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 5]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000004", "step-000005"]
     manifest = ckpt.verify(tmp_path / "step-000005")
-    assert manifest["step"] == 5 and manifest["files"] == {"model.bin": 1005, "sub/state.json": 11}
+    assert manifest["step"] == 5 and {k: v["size"] for k, v in manifest["files"].items()} == \
+        {"model.bin": 1005, "sub/state.json": 11}
+    assert all(len(v["sha256"]) == 64 for v in manifest["files"].values())
 
 
 def test_exception_mid_save_keeps_previous_and_prunes_nothing(tmp_path):
@@ -103,7 +105,7 @@ def test_hard_crash_leaves_a_complete_checkpoint(tmp_path, where):
         assert latest == tmp_path / "step-000002" and len(list(tmp_path.glob(".tmp-step-000003-*"))) == 1
         assert (tmp_path / "latest").read_text().strip() == "step-000002"
     else:  # renamed and complete: found even though `latest` still names step 2
-        assert latest == tmp_path / "step-000003" and ckpt.verify(latest)["files"] == {"model.bin": 1003}
+        assert latest == tmp_path / "step-000003" and ckpt.verify(latest)["files"]["model.bin"]["size"] == 1003
         assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1, 2, 3]
     save_step(manager, 4)  # the next save cleans up what the crash left behind
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == ([2, 4] if where == "writing" else [3, 4])
@@ -126,6 +128,9 @@ def test_incomplete_and_corrupt_checkpoints_are_named(tmp_path):
         f.truncate(10)
     with pytest.raises(ckpt.CorruptCheckpointError, match="model.bin has 10 bytes"):
         ckpt.find_latest(tmp_path)
+    skipped = []
+    assert ckpt.find_latest(tmp_path, on_corrupt=lambda p, e: skipped.append(p.name)) == tmp_path / "step-000001"
+    assert skipped == ["step-000002"]
     (tmp_path / "step-000002" / "sub" / "state.json").unlink()
     (tmp_path / "step-000002" / ckpt.COMPLETE).write_text("{not json")
     with pytest.raises(ckpt.CorruptCheckpointError, match="unreadable"):
@@ -190,7 +195,45 @@ def test_atomic_dir_replaces_a_target_only_when_the_new_one_is_complete(tmp_path
     assert (target / "a").read_text() == "old"
     with ckpt.atomic_dir(target) as tmp:
         (tmp / "a").write_text("new")
-    assert (target / "a").read_text() == "new" and ckpt.verify(target)["files"] == {"a": 3}
+    assert (target / "a").read_text() == "new" and ckpt.verify(target)["files"]["a"]["size"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
     with pytest.raises(ValueError, match="keep"):
         ckpt.CheckpointManager(tmp_path, keep=0)
+
+
+def test_a_flipped_byte_anywhere_is_caught_and_named(tmp_path):
+    """Content hashes: any byte changed in any file of a checkpoint (model, optimizer, trainer state,
+    trajectories) is a CorruptCheckpointError naming the file, from `verify` and from loading."""
+    manager = ckpt.CheckpointManager(tmp_path)
+    with manager.begin(3) as tmp:
+        write_payload(tmp, 3)
+        ckpt.save_trainer_state(tmp, {"step": 3, "unconsumed": [make_trajectory(40, 1), make_trajectory(33, 2)]})
+    path = tmp_path / "step-000003"
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != ckpt.COMPLETE)
+    assert {p.name for p in files} >= {"model.bin", "state.json", "trainer_state.pt", "trajectories-unconsumed.parquet"}
+    rng = random.Random(0)
+    for f in files:
+        original = f.read_bytes()
+        for offset in sorted({0, len(original) - 1, *rng.sample(range(len(original)), min(6, len(original)))}):
+            damaged = bytearray(original)
+            damaged[offset] ^= 0x40
+            f.write_bytes(bytes(damaged))
+            with pytest.raises(ckpt.CorruptCheckpointError, match=f"{f.relative_to(path).as_posix()} does not match"):
+                ckpt.verify(path)
+            with pytest.raises(ckpt.CorruptCheckpointError):
+                ckpt.load_trainer_state(path, restore_rng_state=False)
+        f.write_bytes(original)
+    assert ckpt.load_trainer_state(path, restore_rng_state=False)["step"] == 3
+
+
+def test_a_checkpoint_saved_before_content_hashes_still_loads(tmp_path):
+    """Manifests of earlier versions list sizes only: they verify by size and load."""
+    manager = ckpt.CheckpointManager(tmp_path)
+    with manager.begin(1) as tmp:
+        ckpt.save_trainer_state(tmp, {"step": 1, "unconsumed": [make_trajectory(8, 0)]})
+    path = tmp_path / "step-000001"
+    manifest = json.loads((path / ckpt.COMPLETE).read_text())
+    manifest["files"] = {k: v["size"] for k, v in manifest["files"].items()}  # the old format
+    (path / ckpt.COMPLETE).write_text(json.dumps(manifest))
+    assert ckpt.find_latest(tmp_path) == path
+    assert len(ckpt.load_trainer_state(path, restore_rng_state=False)["unconsumed"]) == 1

@@ -117,7 +117,7 @@ def test_kl_to_reference_starts_at_zero_and_grows(tiny_qwen3_dir, qwen_batch):
                                  algo_args={"kl_coef": 0.1}, micro_batch_tokens=64)
     assert (cfg.algo, cfg.lr, cfg.model_path) == ("ppo", 1e-3, str(tiny_qwen3_dir))
     learner = Learner(cfg)
-    assert learner.ref_model is not None
+    assert learner.ref_policy is not None
     first = learner.train_step(qwen_batch)
     second = learner.train_step(qwen_batch)
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-9) and second["kl_ref"] > 1e-4
@@ -159,6 +159,22 @@ def test_nonfinite_batch_is_skipped(tiny_qwen3_dir, qwen_batch, poison):
     assert all(p.grad is None for p in learner.params)
     clean = learner.train_step(qwen_batch)
     assert clean["skipped"] == 0.0 and learner.version == 1 and clean["entropy"] > 0
+
+
+def test_nonfinite_weights_at_load_refuse_to_start(tmp_path, tiny_qwen3_dir):
+    """A NaN in the loaded weights would make every step skip, forever: the learner refuses, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "nan-policy"
+    shutil.copytree(tiny_qwen3_dir, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    name = sorted(k for k in tensors if k.endswith("q_proj.weight"))[0]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"non-finite weights in 1 parameter tensor.*{name}.*refuses to start"):
+        Learner(qwen_cfg(d))
 
 
 def test_named_weights_load_into_a_fresh_model(tiny_qwen3_dir, qwen_batch):

@@ -21,8 +21,11 @@ import torch.nn.functional as F
 from envs.registry import register
 from envs.search import SearchEnv
 from rl.config import ConfigError
-from rl.sft import SFTConfig, collect_demonstrations, demonstrations, evaluate_greedy, load_model, main, \
-    make_trainer, render_demonstration
+from rl.evaluate import evaluate_greedy
+from rl.demonstrations import collect_demonstrations, demonstrations
+from rl.sft import SFTConfig, load_model, main
+from rl.sft_trainer import make_trainer
+from rollout.chat import render_transcript as render_demonstration
 
 REPO = Path(__file__).parents[2]
 ADJECTIVES = ["old", "small", "famous", "northern", "hidden", "painted", "silver", "quiet"]
@@ -341,7 +344,7 @@ def test_imperfect_teachers_mix_by_rate_and_are_scored_by_the_environment(k3_tok
             assert text.count("search") == base_text_count(k3_tokenizer, base, "search")
             assert f'{task["answers"][0]}, I think' in text and row["reward"] < base["reward"]
     # the hedging teacher scored by the environment itself: F1 only, no exact match
-    from rl.sft import HedgingPolicy
+    from envs.teachers import HedgingPolicy
 
     result = run_episode(env, tasks[0], HedgingPolicy(env.oracle(tasks[0]), env))
     last = parse([m for m in result.messages if m["role"] == "assistant"][-1]["content"])

@@ -216,6 +216,111 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
     assert ray.is_initialized()  # the session's cluster: not the trainer's to shut down
 
 
+@pytest.mark.parametrize("override,message", [
+    ("rl.env_args.lenght=1000", "rl.env_args: environment 'search' does not take these arguments"),
+    ("rl.algo_args.kl_coeff=0.1", "rl.algo / rl.algo_args: algorithm 'grpo': unknown setting(s) kl_coeff"),
+    ("rl.engine=vlm", "rl.engine: 'vlm' is not one of torch, vllm"),
+    ("learner.dtype=float8", "learner.dtype: 'float8' is not one of"),
+])
+def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
+    """Settings only an environment, algorithm or engine understands are checked in the driver, before Ray
+    starts or anything is written (they used to fail seconds later inside a Ray actor)."""
+    from rl.config import ConfigError, load_config
+    from rl.trainer import Trainer, TrainJobConfig
+
+    with pytest.raises(ConfigError) as e:
+        Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "late") + [override],
+                            schema=TrainJobConfig))
+    assert message in str(e.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, tmp_path):
+    from rl.config import ConfigError, load_config
+    from rl.trainer import Trainer, TrainJobConfig
+
+    train, _ = task_files
+    shaped = tmp_path / "shaped.jsonl"
+    shaped.write_text(train.read_text().splitlines()[0] + "\n\n[1, 2]\n")  # valid JSON, not a task
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"question": "caf\xe9"}\n'.encode("latin-1"))
+    for path, message in ((shaped, f"{shaped}:3: not a task of environment SearchEnv"),
+                          (latin, f"{latin}: not UTF-8 text")):
+        items = overrides(tmp_path, tiny_qwen3_dir, task_files, "tasks") + [f"rl.tasks_path={path}"]
+        with pytest.raises(ConfigError) as e:
+            Trainer(load_config(None, items, schema=TrainJobConfig))
+        assert message in str(e.value)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_without_a_loadable_checkpoint_is_a_named_error_and_changes_nothing(tiny_qwen3_dir, task_files,
+                                                                                  tmp_path):
+    """No Ray needed: the resume point is decided before anything starts or is written."""
+    from rl.config import ConfigError
+    from rl.trainer import Trainer
+
+    run_dir = tmp_path / "runs" / "gone"
+    (run_dir / "checkpoints" / "step-000004").mkdir(parents=True)  # a save that never finished
+    (run_dir / "checkpoints" / "step-000004" / "model.safetensors").write_bytes(b"partial")
+    metrics = "".join(json.dumps({"step": i, "time": 0.0}) + "\n" for i in range(5))
+    (run_dir / "metrics.jsonl").write_text(metrics)
+    (run_dir / "config.yaml").write_text("the run's own config\n")
+    with pytest.raises(ConfigError, match="rl.resume=true: .* holds a run but no checkpoint that loads .*no "
+                                          "checkpoint directory holds a COMPLETE manifest.*nothing was changed"):
+        Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "gone", resume=True))
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "config.yaml").read_text() == "the run's own config\n"
+
+
+@pytest.mark.ray
+def test_resume_skips_a_corrupt_checkpoint_for_the_newest_that_verifies(ray_cluster, tiny_qwen3_dir, task_files,
+                                                                       tmp_path, capsys):
+    from rl.trainer import Trainer
+
+    Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "flip", eval_every=0)).train()
+    run_dir = tmp_path / "runs" / "flip"
+    weights = run_dir / "checkpoints" / "step-000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "flip", eval_every=0, steps=3, resume=True)).train()
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "skipped checkpoint step-000002" in out and "model.safetensors does not match its content hash" in out
+    assert "resuming from the newest checkpoint that verifies, step-000001" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+@pytest.mark.ray
+def test_learner_settings_from_the_recipe_reach_the_learner(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
+    """`learner.optimizer=muon learner.dtype=bfloat16 …` from the command line: the run's config.yaml shows
+    them, the checkpoint holds bfloat16 weights and Muon's state; a bad value is named before anything runs."""
+    import yaml
+    from safetensors import safe_open
+
+    from rl.config import ConfigError, load_config
+    from rl.trainer import Trainer, TrainJobConfig
+
+    items = overrides(tmp_path, tiny_qwen3_dir, task_files, "muon", steps=1, eval_every=0, save_every=1) + [
+        "learner.optimizer=muon", "learner.dtype=bfloat16", "learner.micro_batch_tokens=512",
+        "learner.muon_momentum=0.9", "learner.weight_decay=0.01"]
+    run_dir = Trainer(load_config(None, items, schema=TrainJobConfig)).train()
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["learner"]
+    assert (saved["optimizer"], saved["dtype"], saved["micro_batch_tokens"], saved["muon_momentum"]) == \
+        ("muon", "bfloat16", 512, 0.9)
+    step = run_dir / "checkpoints" / "step-000001"
+    with safe_open(str(step / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+    import torch
+
+    optim = torch.load(step / "optimizer.pt", weights_only=False)
+    assert len(optim["optimizers"]) == 2  # AdamW and Muon
+    with pytest.raises(ConfigError, match="learner.optimizer: 'sgd' is not one of adamw, muon"):
+        Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "bad") + ["learner.optimizer=sgd"],
+                            schema=TrainJobConfig))
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
 @pytest.mark.ray
 def test_async_never_trains_beyond_staleness_bound(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
     from rl.trainer import Trainer

@@ -1,0 +1,154 @@
+"""`Policy`: one loaded policy — k3rl's K3 or any Hugging Face causal LM — behind the few operations the
+toolkit needs, so the learner (rl/learner.py), SFT (rl/sft_trainer.py, rl/sft.py), the native engine
+(rollout/torch_engine.py) and the self-check ask one object instead of each probing the model.
+
+- `load_policy(path, dtype, device)`: an HF directory (config.json required); K3 is registered with the
+  Auto classes only when transformers does not know the directory's model type, dropout is switched off.
+- `is_k3`: answered once, by type.
+- `final_hidden(input_ids, attention_mask, routed_expert_ids, rows)`: the hidden states the LM head reads.
+  K3 returns its pre-norm state (`return_hidden_states=True`) and the final norm is applied here — to the
+  selected `rows` only when they are given, so the norm never runs on prompt rows; other models are
+  called with `output_hidden_states=True`, whose last entry is already normed. Either way the model
+  computes logits for one position only (`logits_to_keep=1`, where supported).
+- `head()` / `selected_logprobs(hidden, targets, chunk_size, entropy)`: the LM head weight and logit
+  scale, and log π(target) through the chunked path of model/logprobs.py (no [N, V] logits).
+- `prefill` / `decode` / `select`: batched generation with the model's own cache (K3: `K3Cache`, with the
+  routed expert ids of every step for routing replay; HF: its KV cache with explicit positions, so left
+  padding is exact).
+
+A third model family costs one subclass that overrides these.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from model.logprobs import selected_logprobs
+
+
+def _register_k3() -> None:
+    import model.modeling  # noqa: F401  (registers k3rl's own model type with the Auto classes)
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                dropout: bool = False) -> "Policy":
+    """The policy of an HF directory (K3 or any causal LM) in `dtype` on `device`; its dropout is switched
+    off (RL compares the policy with itself) unless `dropout`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
+    if json.loads(config_file.read_text()).get("model_type") not in CONFIG_MAPPING:
+        _register_k3()
+    config = AutoConfig.from_pretrained(path)
+    for name, value in list(config.to_dict().items()):
+        if not dropout and (name.endswith("dropout") or name.endswith("_pdrop")) and isinstance(value, float):
+            setattr(config, name, 0.0)
+    return Policy(AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device))
+
+
+class Policy:
+    """A causal LM and how to ask it for hidden states, log-probs and cached decoding; see module docstring."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.is_k3 = _is_k3(model)
+        params = inspect.signature(type(model).forward).parameters
+        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    # ---- scoring
+
+    def check_head(self) -> None:
+        """The chunked log-prob path models `scale · h Wᵀ`: no LM-head bias, no logit soft-capping."""
+        head = self.model.get_output_embeddings()
+        text_config = self.model.config.get_text_config()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(self.model).__name__}: the LM head has a bias, which the chunked "
+                             f"log-prob path does not model")
+        if getattr(text_config, "final_logit_softcapping", None):
+            raise ValueError(f"{type(self.model).__name__}: final_logit_softcapping is not supported by the "
+                             f"chunked log-prob path")
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of parameters holding a NaN or ±inf (a policy that cannot be trained or sampled)."""
+        with torch.no_grad():
+            return [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+    def head(self) -> tuple[torch.Tensor, float]:
+        """(LM head weight [V, d], logit scale)."""
+        scale = getattr(self.model.config.get_text_config(), "logit_scale", None) or 1.0
+        return self.model.get_output_embeddings().weight, float(scale)
+
+    def final_hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                     routed_expert_ids: Optional[torch.Tensor] = None,
+                     rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states after the final norm: [B, T, d], or [N, d] for the positions of the bool mask
+        `rows` [B, T]. `attention_mask` is passed to non-K3 models (K3 needs none for right padding);
+        `routed_expert_ids` [B, T, L, k] replays a routing on K3."""
+        if self.is_k3:
+            out = self.model(input_ids, routed_expert_ids=routed_expert_ids, return_hidden_states=True, **self._keep)
+            h = out.hidden_states if rows is None else out.hidden_states[rows]
+            return self.model.model.norm(h)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                         use_cache=False, **self._keep)
+        h = out.hidden_states[-1]
+        return h if rows is None else h[rows]
+
+    def selected_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024,
+                          entropy: bool = False):
+        """log π(targets) [N] for hidden rows [N, d] (and the entropy [N] with `entropy`)."""
+        weight, scale = self.head()
+        return selected_logprobs(hidden, weight, targets, chunk_size, scale, return_entropy=entropy)
+
+    # ---- generation
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, dict]:
+        """Left-padded prompts [B, T] (mask 0 on padding) → last-position logits [B, V] and the decode state."""
+        if self.is_k3:
+            cache = self.model.new_cache(ids.shape[0], capacity=capacity)
+            out = self.model(ids, cache=cache, attention_mask=mask, logits_to_keep=1)
+            return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos[:, -1]}
+
+    def decode(self, new: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+        """One new token per row [B] → logits [B, V] and the updated state (K3: `state["route"]` holds the
+        routing of this step, [B, 1, L, k])."""
+        if self.is_k3:
+            out = self.model(new[:, None], cache=state["cache"])
+            state["route"] = self.model.last_routed_expert_ids()
+            return out.logits[:, -1], state
+        mask = torch.cat([state["mask"], torch.ones_like(new)[:, None]], dim=1)
+        pos = state["pos"] + 1
+        out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=pos[:, None],
+                         past_key_values=state["cache"], use_cache=True)
+        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos}
+
+    def select(self, state: dict, index: torch.Tensor) -> dict:
+        """The decode state of rows `index` (reorder, drop or repeat sequences)."""
+        if self.is_k3:
+            route = state.get("route")
+            return {"cache": state["cache"].select(index), "route": None if route is None else route[index]}
+        cache = state["cache"]
+        for layer in cache.layers:
+            layer.batch_select_indices(index)
+        return {"cache": cache, "mask": state["mask"][index], "pos": state["pos"][index]}
+
+
+def _is_k3(model: Any) -> bool:
+    model = getattr(model, "module", model)  # DDP / accelerate wrappers
+    try:
+        from model.modeling import K3ForCausalLM
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, K3ForCausalLM)

@@ -5,8 +5,13 @@
 
 Models are built on the spot: the tiny K3 (configs/model/tiny.yaml, random init, its tokenizer)
 and the tiny Qwen3 of rollout/tiny_qwen3.py (vLLM on the CPU serves standard HF architectures,
-not K3). Baseline, measured in the same run: Hugging Face `generate` (sampling, left-padded
-batch, KV cache) on the same Qwen3 — the engines' tokens/s are reported as a ratio to it.
+not K3). Baselines, measured in the same run: Hugging Face `generate` (sampling, left-padded
+batch, KV cache) on the same Qwen3 — the engines' tokens/s are reported as a ratio to it — and,
+for the tiny K3, the same weights with the routed experts run by the per-expert loop
+(`kernels/moe/naive.py`, what model/moe.py did before the grouped path) instead of the grouped
+matmuls (`kernels/moe/grouped.py`): the "vs naive experts" column.
+
+    python bench/rollout.py --k3-only  # only the two K3 rows (no Qwen3, no vLLM)
 Episodes/s runs the agent loop against the search environment (each task carries its own
 passages) with a sampling budget of `--max-tokens` per turn; the random models mostly end
 after one turn, so episodes/s measures the loop's overhead around generation.
@@ -85,11 +90,21 @@ def episodes_per_second(engine, tokenizer, n: int, max_tokens: int) -> float:
     return n / seconds
 
 
+def set_expert_impl(model, impl: str) -> None:
+    """Run every routed-expert block of `model` with `impl` (kernels/moe: `grouped` or `naive`)."""
+    from model.moe import Experts
+
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.impl = impl
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--k3-only", action="store_true", help="only the tiny K3, grouped vs naive experts")
     args = parser.parse_args()
     batches = (1, 8) if args.quick else (1, 8, 32)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -109,11 +124,15 @@ def main() -> int:
     init_main([str(ROOT / "configs/model/tiny.yaml"), str(work / "k3")])
     qwen_dir = build_tiny_qwen3(work / "qwen3")
     k3 = TorchEngine.from_pretrained(work / "k3", seed=0)
+    k3_naive = TorchEngine.from_pretrained(work / "k3", seed=0)
+    set_expert_impl(k3_naive.model, "naive")
     qwen_native = TorchEngine.from_pretrained(qwen_dir, seed=0)
     qwen_hf = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).eval()
     qwen_tok = AutoTokenizer.from_pretrained(qwen_dir)
-    engines = [("native", "tiny K3", k3, k3.tokenizer), ("native", "tiny Qwen3", qwen_native, qwen_tok)]
-    if not args.no_vllm:
+    engines = [("native", "tiny K3, naive experts", k3_naive, k3.tokenizer), ("native", "tiny K3", k3, k3.tokenizer)]
+    if not args.k3_only:
+        engines.append(("native", "tiny Qwen3", qwen_native, qwen_tok))
+    if not args.no_vllm and not args.k3_only:
         from rollout.vllm_engine import VLLMEngine
 
         vllm = VLLMEngine(qwen_dir, max_model_len=4096, seed=0)
@@ -122,21 +141,29 @@ def main() -> int:
     rows = []
     for batch in batches:
         prompts = prompts_for(qwen_tok, batch)
-        base_s, base_tokens = timed(lambda: hf_generate(qwen_hf, qwen_tok, prompts, max_tokens))
-        base = base_tokens / base_s
-        rows.append(("HF generate (baseline)", "tiny Qwen3", batch, base, 1.0))
+        base = None
+        if not args.k3_only:
+            base_s, base_tokens = timed(lambda: hf_generate(qwen_hf, qwen_tok, prompts, max_tokens))
+            base = base_tokens / base_s
+            rows.append(("HF generate (baseline)", "tiny Qwen3", batch, base, 1.0, None))
+        naive = None
         for kind, name, engine, tok in engines:
             p = prompts_for(tok, batch)
             seconds, tokens = timed(lambda: engine_generate(engine, p, max_tokens))
-            rows.append((kind, name, batch, tokens / seconds, (tokens / seconds) / base if "Qwen3" in name else None))
+            tps = tokens / seconds
+            if name == "tiny K3, naive experts":
+                naive = tps
+            rows.append((kind, name, batch, tps, tps / base if "Qwen3" in name and base else None,
+                         tps / naive if name.startswith("tiny K3") and naive else None))
     episode_rows = [(kind, name, episodes_per_second(engine, tok, 8, max_tokens)) for kind, name, engine, tok in engines]
 
     print(f"\nGenerated tokens/s, {max_tokens} new tokens per sample, prompts of 32 tokens, 1 thread "
           f"(torch {torch.__version__}, {os.cpu_count()} cores)\n")
-    print("| engine | model | batch | tokens/s | vs HF generate |")
-    print("|---|---|---|---|---|")
-    for kind, name, batch, tps, ratio in rows:
-        print(f"| {kind} | {name} | {batch} | {tps:,.0f} | {'' if ratio is None else f'{ratio:.2f}×'} |")
+    print("| engine | model | batch | tokens/s | vs HF generate | vs naive experts |")
+    print("|---|---|---|---|---|---|")
+    for kind, name, batch, tps, ratio, vs_naive in rows:
+        print(f"| {kind} | {name} | {batch} | {tps:,.0f} | {'' if ratio is None else f'{ratio:.2f}×'} "
+              f"| {'' if vs_naive is None else f'{vs_naive:.2f}×'} |")
     print("\nEpisodes/s, agent loop + search environment, 8 episodes at once\n")
     print("| engine | model | episodes/s |")
     print("|---|---|---|")

@@ -43,7 +43,8 @@ def run(method: str, kw: dict, args) -> list[float]:
     import torch
 
     from model.config import ModelConfig, RouterBalanceConfig
-    from model.moe import Router, balance_routers
+    from model.moe import Router
+    from rl.router_balance import balance_routers
 
     d = 64
     cfg = ModelConfig(hidden_size=d, num_experts=args.experts, num_experts_per_token=args.top_k,

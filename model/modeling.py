@@ -10,13 +10,14 @@ decode (a filled cache and new tokens, usually one); the KDA and MLA layers pick
 chunked/expanded or recurrent/absorbed paths from the number of new tokens.
 `logits_to_keep` limits the lm_head to the positions a loss needs (last n, given indices, or a
 [B, T] boolean mask), so RL losses need not materialise full-vocabulary logits everywhere.
-`routed_expert_ids` replays a recorded routing ([B, T, n_moe_layers, k]); every forward leaves
-the routing it used in `last_routed_expert_ids()`.
+`routed_expert_ids` replays a recorded routing ([B, T, n_moe_layers, k], -1 where nothing was recorded)
+and `routing_mask` keeps padding out of the router statistics; every forward leaves the routing it used
+in `last_routed_expert_ids()`.
 
 Checkpoint names are those of the text-only Kimi-Linear/K3 layout (`model.embed_tokens`,
 `model.layers.{i}.self_attn.*`, `….block_sparse_moe.*` or `….mlp.*`, `model.norm`,
 `model.output_attn_res_*`, `lm_head`), so `save_pretrained` output maps one to one onto the
-released tensors (plus `model.patch_embed.proj` when images are enabled). The Auto classes
+released tensors (the stacked routed experts are written per expert, model/hf_names.py) (plus `model.patch_embed.proj` when images are enabled). The Auto classes
 are registered under model_type "k3rl_k3" (transformers ships its own "kimi_linear" with a
 different module layout). MTP layers (§10) and the ViT tower are not built.
 """
@@ -36,9 +37,10 @@ from transformers.utils import ModelOutput
 from model.attn_res import RMSNorm, ResidualStream
 from model.cache import K3Cache, StepInfo, make_step
 from model.config import K3Config
+from model.hf_names import register_expert_conversion
 from model.kda import KimiDeltaAttention, ShortConv
 from model.mla import MultiheadLatentAttention
-from model.moe import Router, build_ffn, is_moe_layer
+from model.moe import Experts, Router, build_ffn, is_moe_layer
 from model.vision import PatchEmbed
 
 
@@ -68,15 +70,16 @@ class K3DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(d, eps)
             self.mlp_res_proj = AttnResProj(d)
 
-    def forward(self, stream: ResidualStream, step: StepInfo,
-                routed_expert_ids: torch.Tensor | None = None) -> ResidualStream:
-        """stream → stream after this layer's mixer and FFN; `routed_expert_ids` [B, T, k] replays routing."""
+    def forward(self, stream: ResidualStream, step: StepInfo, routed_expert_ids: torch.Tensor | None = None,
+                routing_mask: torch.Tensor | None = None) -> ResidualStream:
+        """stream → stream after this layer's mixer and FFN; `routed_expert_ids` [B, T, k] replays routing,
+        `routing_mask` [B, T] marks the tokens the router counts (model/moe.py `Router.forward`)."""
         x, stream = stream.mixer_input(self.layer_idx, getattr(self, "self_attention_res_proj", None),
                                        getattr(self, "self_attention_res_norm", None))
         stream = stream.add(self.self_attn(self.input_layernorm(x), step))
         x = self.post_attention_layernorm(stream.mix(getattr(self, "mlp_res_proj", None),
                                                      getattr(self, "mlp_res_norm", None)))
-        ffn = self.block_sparse_moe(x, routed_expert_ids) if self.is_moe else self.mlp(x)
+        ffn = self.block_sparse_moe(x, routed_expert_ids, routing_mask) if self.is_moe else self.mlp(x)
         return stream.add(ffn)
 
 
@@ -100,6 +103,12 @@ class K3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, Router):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, Experts):
+            # expert by expert, w1 w2 w3: the draws of the per-expert nn.Linear modules they replace
+            for e, weights in enumerate(module.per_expert()):
+                for name, w in zip(("w1", "w2", "w3"), weights):
+                    if not getattr(getattr(module, name), "_is_hf_initialized", False):
+                        init.normal_(w, mean=0.0, std=std)
         else:
             super()._init_weights(module)
         if isinstance(module, KimiDeltaAttention):
@@ -132,7 +141,7 @@ class K3Model(K3PreTrainedModel):
         self.embed_tokens = value
 
     def forward(self, input_ids: torch.Tensor, step: StepInfo, pixel_values=None,
-                routed_expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+                routed_expert_ids: torch.Tensor | None = None, routing_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] → h_final [B, T, d] (pre-norm, spec §1 step 3)."""
         h = self.embed_tokens(input_ids)  # [B, T, d]
         if pixel_values is not None:
@@ -146,9 +155,9 @@ class K3Model(K3PreTrainedModel):
             if layer.is_moe and routed_expert_ids is not None:
                 ids, moe_idx = routed_expert_ids[:, :, moe_idx], moe_idx + 1
             if self.gradient_checkpointing and self.training and step.cache is None:
-                stream = checkpoint(layer, stream, step, ids, use_reentrant=False)
+                stream = checkpoint(layer, stream, step, ids, routing_mask, use_reentrant=False)
             else:
-                stream = layer(stream, step, ids)
+                stream = layer(stream, step, ids, routing_mask)
         return stream.mix(getattr(self, "output_attn_res_proj", None), getattr(self, "output_attn_res_norm", None))
 
 
@@ -200,6 +209,7 @@ class K3ForCausalLM(K3PreTrainedModel):
         use_cache: bool = False,
         logits_to_keep: int | torch.Tensor = 0,
         routed_expert_ids: torch.Tensor | None = None,
+        routing_mask: torch.Tensor | None = None,
         return_hidden_states: bool = False,
     ) -> K3CausalLMOutput:
         """Training, prefill or decode step.
@@ -213,7 +223,10 @@ class K3ForCausalLM(K3PreTrainedModel):
             attention_mask: [B, T] or [B, past+T], 0 only for left padding in the first step.
             logits_to_keep: 0 = all positions; int n = last n; 1-D LongTensor = those positions
                 ([B, n, V]); [B, T] BoolTensor = the marked tokens, flattened ([N, V]).
-            routed_expert_ids: [B, T, n_moe_layers, k] routing to replay.
+            routed_expert_ids: [B, T, n_moe_layers, k] routing to replay; a token's row with any -1 (not
+                recorded) is routed by the model's own router.
+            routing_mask: [B, T] bool, the tokens whose routing counts in the router-balancing statistics
+                (False on padding, which is never replayed either); None: every token counts.
             return_hidden_states: also return the pre-norm h_final [B, T, d].
         """
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
@@ -224,7 +237,7 @@ class K3ForCausalLM(K3PreTrainedModel):
             cache = self.new_cache(input_ids.shape[0], capacity=input_ids.shape[1])
         step = make_step(tuple(input_ids.shape), input_ids.device, cache, attention_mask,
                          self.config.max_position_embeddings)
-        h = self.model(input_ids, step, pixel_values, routed_expert_ids)  # [B, T, d]
+        h = self.model(input_ids, step, pixel_values, routed_expert_ids, routing_mask)  # [B, T, d]
         if cache is not None:
             cache.commit(input_ids.shape[1])
         kept = _keep(h, logits_to_keep)
@@ -251,5 +264,6 @@ def _keep(h: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     return h[:, logits_to_keep.to(h.device)]
 
 
+register_expert_conversion(K3Config.model_type)
 AutoModel.register(K3Config, K3Model, exist_ok=True)
 AutoModelForCausalLM.register(K3Config, K3ForCausalLM, exist_ok=True)

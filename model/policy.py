@@ -92,10 +92,13 @@ class Policy:
                      routed_expert_ids: Optional[torch.Tensor] = None,
                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, d], or [N, d] for the positions of the bool mask
-        `rows` [B, T]. `attention_mask` is passed to non-K3 models (K3 needs none for right padding);
-        `routed_expert_ids` [B, T, L, k] replays a routing on K3."""
+        `rows` [B, T]. `attention_mask` [B, T] (0 on padding) is passed to non-K3 models; K3 needs none for
+        right padding and takes it as its routing mask, so padding stays out of the router statistics;
+        `routed_expert_ids` [B, T, L, k] replays a routing on K3 (-1: route)."""
         if self.is_k3:
-            out = self.model(input_ids, routed_expert_ids=routed_expert_ids, return_hidden_states=True, **self._keep)
+            mask = None if attention_mask is None else attention_mask.bool()
+            out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask,
+                             return_hidden_states=True, **self._keep)
             h = out.hidden_states if rows is None else out.hidden_states[rows]
             return self.model.model.norm(h)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,

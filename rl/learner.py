@@ -13,8 +13,8 @@ One `train_step(trajectories)` is one optimizer step:
 4. gradients are summed across ranks (`rl/parallel.py`), then a NaN/inf guard: if a loss or a
    gradient is non-finite on any rank, every rank skips the optimizer step (weights, optimizer
    state, router biases and `version` unchanged) and the metrics say why;
-5. gradient clipping, the optimizer step (AdamW; `torch.optim.Muon` for hidden matrices when
-   `optimizer: muon`), then router-bias balancing for MoE models (statistics reduced over ranks).
+5. gradient clipping, the optimizer step (AdamW; Muon for hidden matrices when `optimizer: muon`,
+   rl/optim.py), then router-bias balancing for MoE models (statistics reduced over ranks).
 
 Log-probabilities never go through full logits: the policy adapter (model/policy.py) gives the
 final hidden states of the loss-mask rows and `model.logprobs.selected_logprobs` scores them in
@@ -28,9 +28,10 @@ stale data only; the behaviour policy enters through truncated IS. Dropout is sw
 
 MoE models (K3): routed-expert replay (R3) passes `Trajectory.routed_experts` to the model
 when `routing_replay` is on; tokens without a recorded routing (-1: prompt, tool output, the
-last sampled token) are routed by the learner's router and padding is kept out of the
-balancing statistics (`rl/routing.py`). After each step `model.moe.balance_routers` updates
-the router biases from the step's statistics and reports MaxVio per MoE layer.
+last sampled token) are routed by the learner's router, and the padding mask keeps padding out
+of the balancing statistics (both are arguments of the model's router: model/moe.py
+`Router.forward`). After each step `rl.router_balance.balance_routers` updates the router
+biases from the step's statistics (reduced over ranks) and reports MaxVio per MoE layer.
 
 Checkpoints (`save`, `save_into`, `load`): a Hugging Face directory (`save_pretrained`,
 safetensors, the tokenizer when the model directory has one) plus `optimizer.pt` (optimizer
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -70,8 +70,10 @@ from rl.algos import get_algo
 from rl.algos.base import Algorithm, LossInputs
 from rl.batching import MicroBatch, collate, pack_micro_batches, to_train_sequence
 from rl.config import LearnerSettings
+from model.hf_names import stack_experts
 from model.policy import Policy, load_policy
-from rl.routing import RoutingControl
+from rl.optim import build_optimizers
+from rl import router_balance
 
 OPTIMIZER_FILE = "optimizer.pt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -118,9 +120,12 @@ class LearnerConfig(LearnerSettings):
 
 
 def compute_advantages(algo: Algorithm, trajectories: Sequence[Any]) -> np.ndarray:
-    """Sequence advantages [B] (float32) from each trajectory's reward, per `group_id`."""
+    """Sequence advantages [B] (float32) from each trajectory's reward, per `group_id` (all 1 for an
+    objective that uses no rewards, rl/algos/nll.py)."""
     if not trajectories:
         return np.zeros(0, dtype=np.float32)
+    if not algo.uses_rewards:
+        return np.ones(len(trajectories), dtype=np.float32)
     missing = [i for i, t in enumerate(trajectories) if not t.group_id]
     if missing:
         raise ValueError(f"trajectories {missing[:5]} have no group_id; group-relative advantages need one "
@@ -154,44 +159,21 @@ class Learner:
             # every step would be skipped by the non-finite guard, forever: refuse instead
             raise ValueError(f"{cfg.model_path}: non-finite weights in {len(bad)} parameter tensor(s) "
                              f"({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''}); the learner refuses to start")
-        self._routing = RoutingControl(self.model)
-        self._replay = bool(cfg.routing_replay and self._routing and self.policy.is_k3)
+        self._routers = router_balance.routers(self.model)
+        self._replay = bool(cfg.routing_replay and self._routers and self.policy.is_k3)
         self.ref_policy: Optional[Policy] = None
         if getattr(self.algo.cfg, "kl_coef", 0.0) > 0:
             self.ref_policy = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device)
             self.ref_policy.model.eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizers = self._build_optimizers()
+        self.optimizers = build_optimizers(self.model, self.params, cfg)
         self.version = 0
         self.tokenizer_path = Path(cfg.model_path)
-
-    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
-        cfg = self.cfg
-        head = {id(self.model.get_output_embeddings().weight), id(self.model.get_input_embeddings().weight)}
-        muon, decay, no_decay = [], [], []
-        for p in self.params:
-            hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and id(p) not in head
-            if cfg.optimizer == "muon" and hidden_matrix:
-                muon.append(p)
-            elif p.ndim >= 2:
-                decay.append(p)
-            else:
-                no_decay.append(p)
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                        betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)]
-        if muon:
-            if not hasattr(torch.optim, "Muon"):
-                raise RuntimeError(f"optimizer: muon needs torch.optim.Muon, which torch {torch.__version__} "
-                                   f"does not have; use optimizer: adamw")
-            optimizers.append(torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                               momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw"))
-        return optimizers
 
     @property
     def routing_shape(self) -> Optional[tuple[int, int]]:
         """(L, k) of the model's routing, or None for dense models."""
-        return (len(self._routing.routers), self._routing.top_k) if self._routing else None
+        return (len(self._routers), self._routers[0].top_k) if self._routers else None
 
     @property
     def _replay_shape(self) -> Optional[tuple[int, int]]:
@@ -213,19 +195,18 @@ class Learner:
         prepared = [to_train_sequence(t, 0.0) for t in trajectories]
         out = [np.zeros(0) for _ in trajectories]
         live = [i for i, s in enumerate(prepared) if s is not None]
-        collect = [r.collect_stats for r in self._routing.routers]
-        for r in self._routing.routers:
+        collect = [r.collect_stats for r in self._routers]
+        for r in self._routers:
             r.collect_stats = False
         try:
             for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens):
                 mb = collate([prepared[live[j]] for j in idx], self.device, self._replay_shape)
-                with self._routing.batch(mb.valid) if self._routing else nullcontext():
-                    logp, _ = self.logprobs(self.policy, mb, self._replay and mb.routed is not None)
+                logp, _ = self.logprobs(self.policy, mb, self._replay and mb.routed is not None)
                 per_seq = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
                 for j, part in zip(idx, logp.double().cpu().split(per_seq)):
                     out[live[j]] = part.numpy()
         finally:
-            for r, c in zip(self._routing.routers, collect):
+            for r, c in zip(self._routers, collect):
                 r.collect_stats = c
         return out
 
@@ -234,15 +215,14 @@ class Learner:
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref, _ = self.logprobs(self.ref_policy, mb, replay=False)
-        with self._routing.batch(mb.valid) if self._routing else nullcontext():
-            logp, entropy = self.logprobs(self.policy, mb, self._replay and mb.routed is not None,
-                                          entropy=self.cfg.compute_entropy)
-            inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
-                                behaviour_logprobs=mb.behaviour.to(logp.dtype), advantages=mb.advantages.to(logp.dtype),
-                                seq_ids=mb.seq_ids, num_seqs=mb.num_seqs, num_tokens_global=n_tokens,
-                                num_seqs_global=n_seqs, ref_logprobs=ref)
-            loss, metrics = self.algo.loss(inputs)
-            loss.backward()
+        logp, entropy = self.logprobs(self.policy, mb, self._replay and mb.routed is not None,
+                                      entropy=self.cfg.compute_entropy)
+        inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
+                            behaviour_logprobs=mb.behaviour.to(logp.dtype), advantages=mb.advantages.to(logp.dtype),
+                            seq_ids=mb.seq_ids, num_seqs=mb.num_seqs, num_tokens_global=n_tokens,
+                            num_seqs_global=n_seqs, ref_logprobs=ref)
+        loss, metrics = self.algo.loss(inputs)
+        loss.backward()
         if entropy is not None:
             metrics["entropy"] = entropy.detach().sum() / n_tokens
         return loss.detach(), metrics
@@ -309,15 +289,13 @@ class Learner:
         return self._finish(start, metrics, skipped, (n_tokens, n_seqs, n_inputs), len(batches))
 
     def _clear_router_stats(self) -> None:
-        for router in self._routing.routers:
+        for router in self._routers:
             router.clear_stats()
 
     def _balance_routers(self) -> dict[str, float]:
-        if not self._routing:
+        if not self._routers:
             return {}
-        from model.moe import balance_routers
-
-        maxvio = balance_routers(self.model, group=self.group)
+        maxvio = router_balance.balance_routers(self.model, group=self.group)
         out = {f"maxvio/{name}": v for name, v in maxvio.items()}
         if maxvio:
             out["maxvio_max"] = max(maxvio.values())
@@ -381,6 +359,7 @@ class Learner:
             state = torch.load(opt_file, map_location=self.device, weights_only=False)
         except Exception as e:  # truncated or foreign files: name the checkpoint
             raise ckpt.CorruptCheckpointError(f"{path}: cannot read the learner state ({type(e).__name__}: {e})") from e
+        weights = stack_experts(weights)  # per-expert names on disk (model/hf_names.py)
         model_state = self.model.state_dict()
         # tied tensors (e.g. lm_head.weight = embed_tokens.weight) are saved once, under one name
         shared: dict[int, set[str]] = {}
@@ -397,8 +376,12 @@ class Learner:
         if state.get("optimizer") != self.cfg.optimizer or len(state["optimizers"]) != len(self.optimizers):
             raise ckpt.CheckpointError(f"{path}: saved with optimizer {state.get('optimizer')!r}, this learner "
                                        f"uses {self.cfg.optimizer!r}")
-        for opt, sd in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(sd)
+        try:
+            for opt, sd in zip(self.optimizers, state["optimizers"]):
+                opt.load_state_dict(sd)
+        except (ValueError, KeyError) as e:  # e.g. saved before the routed experts were stacked
+            raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this learner's parameters ({e}); "
+                                       f"start a new run from its weights instead (rl.model_path={path})") from e
         self.version = int(state["version"])
         rng_file = path / f"rng-rank{self.rank:05d}.pt"
         if rng_file.is_file():

@@ -12,9 +12,9 @@ right-pads batches. Two things differ from TRL's own loss path:
   accumulation equals one big batch.
 * the padding. K3's attention mask may only mark left padding. For a causal model right
   padding needs no mask: a real token never attends to the pads after it, and pads carry
-  label -100. So K3 is called without a mask; its routers keep the pads out of the
-  balancing statistics (`rl.routing.RoutingControl`) and their biases are balanced after
-  every optimizer step (`model.moe.balance_routers`), as in the RL learner. Other HF models
+  label -100. So K3 gets the mask as its routing mask only: its routers keep the pads out of the
+  balancing statistics (model/moe.py `Router.forward`) and their biases are balanced after
+  every optimizer step (`rl.router_balance.balance_routers`), as in the RL learner. Other HF models
   get the collator's attention mask.
 On the CPU, one demonstration per micro-batch with gradient accumulation is the default
 shape: no padding, and K3's MLA builds [B, H, T, T] scores.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,7 +39,7 @@ def _sft_trainer_class():
     from trl import SFTTrainer
 
     from model.policy import Policy
-    from rl.routing import RoutingControl
+    from rl import router_balance
 
     class K3SFTTrainer(SFTTrainer):
         # compute_loss divides by the tokens of the whole accumulated batch itself.
@@ -51,7 +50,7 @@ def _sft_trainer_class():
             model = self.model
             self.policy = Policy(model)
             self.policy.check_head()
-            self.routing = RoutingControl(model)
+            self.routing = bool(router_balance.routers(model))
             self.chunk_size = logprob_chunk_size
             if self.routing:
                 router_balancing, _ = _callbacks()
@@ -73,13 +72,11 @@ def _sft_trainer_class():
             attention_mask = inputs.get("attention_mask")  # [B, T], 0 on right padding
             targets = labels[:, 1:]  # [B, T-1]
             mask = targets != -100  # [B, T-1]
-            valid = attention_mask.bool() if attention_mask is not None else None
             policy = self.policy if model is self.model else Policy(model)
-            with self.routing.batch(valid) if self.routing else nullcontext():
-                # K3 gets no mask (right padding is exact for a causal model, see module docstring)
-                hidden = policy.final_hidden(input_ids, attention_mask=attention_mask)  # [B, T, d]
-                logp, entropy = policy.selected_logprobs(hidden[:, :-1][mask], targets[mask], self.chunk_size,
-                                                         entropy=True)  # [N] ×2
+            # K3 takes the mask as its routing mask only (right padding is exact for a causal model)
+            hidden = policy.final_hidden(input_ids, attention_mask=attention_mask)  # [B, T, d]
+            logp, entropy = policy.selected_logprobs(hidden[:, :-1][mask], targets[mask], self.chunk_size,
+                                                     entropy=True)  # [N] ×2
             n = mask.sum() if num_items_in_batch is None else num_items_in_batch
             loss = -logp.sum() / torch.as_tensor(n, device=logp.device).clamp(min=1)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
@@ -107,13 +104,12 @@ def _callbacks():
             self.metrics = metrics
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            from rl.routing import find_routers
+            from rl.router_balance import clear_stats
 
-            for router in find_routers(model):
-                router.clear_stats()
+            clear_stats(model)
 
         def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-            from model.moe import balance_routers
+            from rl.router_balance import balance_routers
 
             maxvio = balance_routers(model)
             if maxvio:

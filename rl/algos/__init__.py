@@ -1,4 +1,7 @@
-"""RL algorithms behind one interface (`base.Algorithm`), selected by name: `get_algo("grpo", eps_high=0.28)`.
+"""Training objectives behind one interface (`base.Algorithm`), selected by name: `get_algo("grpo", eps_high=0.28)`.
+
+The RL algorithms (grpo, dr_grpo, rloo, ppo, gspo, cispo) and the supervised `nll` objective (SFT and
+next-token pretraining: rl/algos/nll.py), so the learner trains every objective the same way.
 
 Exports the interface (`Algorithm`, `AlgoConfig`, `LossInputs`), the registry `ALGOS` and
 `get_algo`. Imports torch only (no Ray, no vLLM).
@@ -10,11 +13,12 @@ from rl.algos.base import AlgoConfig, Algorithm, ClipConfig, LossInputs
 from rl.algos.cispo import CISPO
 from rl.algos.dr_grpo import DrGRPO
 from rl.algos.grpo import GRPO
+from rl.algos.nll import NLL
 from rl.algos.gspo import GSPO
 from rl.algos.ppo import PPO
 from rl.algos.rloo import RLOO
 
-ALGOS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, DrGRPO, RLOO, PPO, GSPO, CISPO)}
+ALGOS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, DrGRPO, RLOO, PPO, GSPO, CISPO, NLL)}
 
 
 def get_algo(name: str, **cfg) -> Algorithm:

@@ -127,7 +127,9 @@ class Algorithm(abc.ABC):
     """An RL algorithm: `advantages` for one group, `loss` for one micro-batch (see module docstring)."""
 
     name: ClassVar[str]
-    Config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    Config: ClassVar[type] = AlgoConfig
+    uses_rewards: ClassVar[bool] = True
+    """False for supervised objectives (rl/algos/nll.py): no rewards, no groups, every advantage 1."""
 
     def __init__(self, cfg: Optional[AlgoConfig] = None):
         self.cfg = cfg if cfg is not None else self.Config()

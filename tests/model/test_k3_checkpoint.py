@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from k3_factory import make_config, make_model
+from model.hf_names import split_experts
 
 
 def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
@@ -68,7 +69,8 @@ def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
 
 
 def state_shapes(model) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """Names and shapes as checkpoints hold them (routed experts per expert: model/hf_names.py)."""
+    return {k: tuple(v.shape) for k, v in split_experts(model.state_dict().items())}
 
 
 def test_k3_layout_names_and_shapes():

@@ -1,22 +1,17 @@
-"""Tests of model/moe.py: router math against hand-checked cases, the sorted dispatch against a
-plain per-token loop (float64), checkpoint names, routing replay, and router balancing
-(quantile, sign, none; micro-batch accumulation; 2-process gloo equals one process)."""
+"""Tests of model/moe.py: router math against hand-checked cases, the MoE block against a plain per-token
+loop (float64), checkpoint names, routing replay with unrecorded rows and the padding mask. The expert
+kernels are tested in tests/kernels/test_moe_experts.py, the bias update in tests/rl/test_router_balance.py."""
 
 from __future__ import annotations
 
-import math
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.utils.checkpoint import checkpoint
 
-from model.config import ModelConfig, RouterBalanceConfig
-from model.moe import MLP, MoE, Router, _quantile_bias_delta, balance_routers, build_ffn, is_moe_layer
+from model.config import ModelConfig
+from model.hf_names import split_experts
+from model.moe import MLP, MoE, Router, build_ffn, is_moe_layer
 
 
 def make_config(**kw) -> ModelConfig:
@@ -116,8 +111,8 @@ def reference_moe(moe: MoE, cfg, x: torch.Tensor) -> torch.Tensor:
         w = s[ids] / s[ids].sum() if cfg.moe_renormalize else s[ids]
         w = w * cfg.routed_scaling_factor
         z = moe.routed_expert_down_proj.weight @ x[t] if cfg.routed_expert_hidden_size else x[t]
-        r = sum(wi * (ex.w2.weight @ act(ex.w1.weight @ z, ex.w3.weight @ z))
-                for wi, ex in zip(w, (moe.experts[int(i)] for i in ids)))
+        experts = moe.experts.per_expert()  # (w1, w2, w3) of each expert
+        r = sum(wi * (w2 @ act(w1 @ z, w3 @ z)) for wi, (w1, w2, w3) in zip(w, (experts[int(i)] for i in ids)))
         if cfg.latent_moe_use_norm:
             r = moe.routed_expert_norm.weight * r / torch.sqrt((r * r).mean() + cfg.rms_norm_eps)
         if cfg.routed_expert_hidden_size:
@@ -212,7 +207,9 @@ def test_state_dict_matches_spec():
     for e in range(4):
         want |= {f"experts.{e}.w1.weight": (16, 24), f"experts.{e}.w3.weight": (16, 24),
                  f"experts.{e}.w2.weight": (24, 16)}
-    got = {k: tuple(v.shape) for k, v in MoE(cfg).state_dict().items()}
+    stacked = {k: tuple(v.shape) for k, v in MoE(cfg).state_dict().items() if k.startswith("experts.")}
+    assert stacked == {"experts.w1": (4, 16, 24), "experts.w3": (4, 16, 24), "experts.w2": (4, 24, 16)}
+    got = {k: tuple(v.shape) for k, v in split_experts(MoE(cfg).state_dict().items())}
     assert got == want
     assert {k: tuple(v.shape) for k, v in MLP(cfg).state_dict().items()} == {
         "gate_proj.weight": (40, 32), "up_proj.weight": (40, 32), "down_proj.weight": (32, 40)}
@@ -232,191 +229,58 @@ def test_bias_stays_fp32():
     assert moe(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
-def skewed_router(e=16, k=2, d=16, balance=None, seed=0) -> Router:
-    """Router whose logits carry a strong per-expert offset (via a constant input feature)."""
-    torch.manual_seed(seed)
-    router = Router(make_config(hidden_size=d, num_experts=e, num_experts_per_token=k, balance=balance)).train()
-    with torch.no_grad():
-        router.weight.normal_(0, 0.3)
-        router.weight[:, 0] = torch.randn(e) * 1.5
-    return router
-
-
-def skewed_batch(m=2048, d=16, seed=1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, d, generator=g)
-    x[:, 0] = 1.0
-    return x
-
-
-def maxvio_of(router: Router, x: torch.Tensor) -> float:
-    router.eval()
-    load = torch.bincount(router(x)[0].flatten(), minlength=router.num_experts).double()
-    router.train()
-    t = x.shape[0] * router.top_k / router.num_experts
-    return (load.max().item() - t) / t
-
-
-def test_quantile_one_step_defining_property():
-    # Each expert's bias change alone would give it exactly round(T) tokens on that batch (the
-    # spec's definition: other biases held fixed). All changes together leave a residual from
-    # their interaction, which repeating the update on the same batch removes.
-    router = skewed_router(balance=RouterBalanceConfig(method="quantile", step_size=1.0))
-    x = skewed_batch()
-    before_bias = router.e_score_correction_bias.clone()
-    router(x)
-    mv = balance_routers(router)[""]
-    delta = router.e_score_correction_bias - before_bias
-    c = round(x.shape[0] * 2 / 16)
-    for j in range(16):
-        with torch.no_grad():
-            router.e_score_correction_bias.copy_(before_bias)
-            router.e_score_correction_bias[j] += delta[j]
-        assert int((router.eval()(x)[0] == j).sum()) == c, j
-    router.train()
-    with torch.no_grad():
-        router.e_score_correction_bias.copy_(before_bias + delta)
-    one_step = maxvio_of(router, x)
-    assert mv > 2.0 and one_step < mv / 10
-    for _ in range(3):
-        router(x)
-        balance_routers(router)
-    assert maxvio_of(router, x) < 0.02
-
-
-def test_quantile_matches_sorted_order_statistics():
-    router = skewed_router(e=8, k=3, balance=RouterBalanceConfig(step_size=1.0), seed=3)
-    x = skewed_batch(m=301, seed=4)
-    with torch.no_grad():
-        router.e_score_correction_bias.normal_(0, 0.1)
-    before = router.e_score_correction_bias.clone()
-    router(x)
-    margins = torch.cat(router._margins)  # [m, E]
-    balance_routers(router)
-    c = round(301 * 3 / 8)
-    top = margins.sort(0, descending=True).values
-    torch.testing.assert_close(router.e_score_correction_bias - before, -(top[c - 1] + top[c]) / 2)
-
-
-def test_quantile_order_statistics_with_ties():
-    # Column 0 ties the 2nd and 3rd largest (2, 2); column 1 has distinct values; a second
-    # "layer" of random margins with a different target is solved in the same bisection.
-    col = torch.tensor([[3.0, 0.5], [2.0, 0.4], [2.0, -0.1], [2.0, 0.9], [1.0, 0.0]])
-    rand = torch.randn(50, 2).round(decimals=1)
-    delta = _quantile_bias_delta([col, rand], torch.tensor([2, 7]), None, False)
-    torch.testing.assert_close(delta[0], torch.tensor([-2.0, -(0.5 + 0.4) / 2]))
-    top = rand.sort(0, descending=True).values
-    torch.testing.assert_close(delta[1], -(top[6] + top[7]) / 2)
-
-
-def test_quantile_damped_steps_balance_a_skewed_router():
-    router = skewed_router(balance=RouterBalanceConfig(method="quantile", step_size=0.5))
-    history = []
-    for step in range(12):
-        router(skewed_batch(m=4096, seed=100 + step))
-        history.append(balance_routers(router)[""])
-    assert history[0] > 2.0 and max(history[-3:]) < 0.15
-
-
-def test_sign_update_direction_and_none():
-    router = skewed_router(balance=RouterBalanceConfig(method="sign", sign_gamma=0.01))
-    x = skewed_batch()
-    router(x)
-    load = router._loads.clone()
-    before = router.e_score_correction_bias.clone()
-    balance_routers(router)
-    t = x.shape[0] * 2 / 16
-    torch.testing.assert_close(router.e_score_correction_bias - before, 0.01 * torch.sign(t - load.float()))
-    assert (router.e_score_correction_bias - before)[load.argmax()] < 0
-    assert (router.e_score_correction_bias - before)[load.argmin()] > 0
-
-    frozen = skewed_router(balance=RouterBalanceConfig(method="none"))
-    frozen(x)
-    before = frozen.e_score_correction_bias.clone()
-    mv = balance_routers(frozen)
-    assert torch.equal(frozen.e_score_correction_bias, before) and mv[""] > 2.0
-    with pytest.raises(ValueError):
-        skewed_router(balance=RouterBalanceConfig(method="aux_loss"))
-
-
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_statistics_only_from_training_forwards(reentrant):
-    torch.manual_seed(6)
-    moe = MoE(make_config(num_hidden_layers=1))
-    x = torch.randn(2, 10, 16, requires_grad=True)
-    moe.eval()(x)
-    assert moe.gate._tokens == 0 and balance_routers(moe) == {}
-    moe.train()
-    # The checkpointed forward counts once: not again when recomputed inside backward.
-    checkpoint(moe, x, use_reentrant=reentrant).sum().backward()
-    assert moe.gate._tokens == 20 and len(moe.gate._margins) == 1
-    assert set(balance_routers(moe)) == {""}
-    assert moe.gate._tokens == 0 and moe.gate._margins == []
-    moe.gate.collect_stats = False
-    moe(x)
-    assert moe.gate._tokens == 0
-
-
-def test_micro_batches_equal_one_batch():
-    x = skewed_batch(m=600, seed=7)
-    a = skewed_router(balance=RouterBalanceConfig(step_size=0.7))
-    b = skewed_router(balance=RouterBalanceConfig(step_size=0.7))
-    a(x)
-    b(x[:250]), b(x[250:400]), b(x[400:])
-    assert balance_routers(a) == balance_routers(b)
-    assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
-
-
-class TwoLayers(torch.nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(MoE(cfg) for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
-def two_layer_setup():
+def test_replay_rows_with_unrecorded_ids_and_padding_mask():
+    """Rows with a -1 are routed by the router, padding rows are routed and never replayed; only the
+    masked-in tokens enter the balancing statistics."""
     torch.manual_seed(8)
-    cfg = make_config(num_experts=8, num_experts_per_token=2, balance=RouterBalanceConfig(step_size=0.8))
-    model = TwoLayers(cfg).train()
-    x = torch.randn(256, 16)
-    return model, x
+    cfg = make_config()
+    router = Router(cfg).train()
+    x = torch.randn(6, 16)
+    own, _ = router(x)
+    router.clear_stats()
+    recorded = (own + 1) % 8  # a routing that differs from the router's own on every row
+    recorded[1, 0] = -1  # not recorded: routed by the router
+    mask = torch.tensor([True, True, True, True, False, False])  # the last two rows are padding
+    ids, weights = router(x, recorded, mask)
+    assert torch.equal(ids[[0, 2, 3]], recorded[[0, 2, 3]])
+    assert torch.equal(ids[[1, 4, 5]], own[[1, 4, 5]])
+    torch.testing.assert_close(weights, router(x, ids)[1])
+    assert router._tokens == 4 + 6  # 4 counted rows, then the 6 of the unmasked call
+    router.clear_stats()
+    router(x, recorded, mask)
+    assert router._tokens == 4 and int(router._loads.sum()) == 4 * cfg.num_experts_per_token
+    assert torch.equal(router._loads, torch.bincount(ids[:4].flatten(), minlength=8))
+    assert torch.cat(router._margins).shape == (4, 8)
+    with pytest.raises(ValueError, match="router mask has 5 entries for 6 tokens"):
+        router(x, None, mask[:5])
+    with pytest.raises(ValueError, match="must be < num_experts = 8"):
+        router(x, torch.full((6, 2), 8))
 
 
-def _dist_worker(rank: int, init_file: str, out_dir: str):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    model, x = two_layer_setup()
-    out = []
-    # Step 1: uneven shards, rank 1 runs two micro-batches. Step 2: rank 0 sees no tokens.
-    if rank == 0:
-        model(x[:100])
-    else:
-        model(x[100:180]), model(x[180:])
-    out.append((balance_routers(model), [m.gate.e_score_correction_bias.clone() for m in model.layers]))
-    if rank == 1:
-        model(x)
-    out.append((balance_routers(model), [m.gate.e_score_correction_bias.clone() for m in model.layers]))
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+def test_moe_impls_agree_in_the_block():
+    torch.manual_seed(9)
+    cfg = make_config(routed_expert_hidden_size=12)
+    moe = MoE(cfg)
+    x = torch.randn(2, 11, 16, requires_grad=True)
+    outs = []
+    for impl in ("grouped", "naive"):
+        moe.experts.impl = impl
+        moe.zero_grad()
+        y = moe(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), moe.experts.w1.grad.clone(), moe.experts.w2.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_distributed_matches_single_process():
-    model, x = two_layer_setup()
-    want = []
-    for _ in range(2):
-        model(x)
-        want.append((balance_routers(model), [m.gate.e_score_correction_bias.clone() for m in model.layers]))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dist_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-    for res in results:
-        for (mv, biases), (want_mv, want_biases) in zip(res, want):
-            assert mv == want_mv and set(mv) == {"layers.0", "layers.1"}
-            assert all(math.isfinite(v) for v in mv.values())
-            for got, ref in zip(biases, want_biases):
-                torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    assert not torch.equal(want[1][1][0], want[0][1][0])
+def test_experts_init_is_per_expert_linear_init():
+    """Stacked experts draw what E×3 nn.Linear modules would have, in the same order."""
+    cfg = make_config()
+    torch.manual_seed(10)
+    stacked = MoE(cfg).experts
+    torch.manual_seed(10)
+    Router(cfg)  # the gate is built first in MoE
+    for w1, w2, w3 in stacked.per_expert():
+        for w, shape in ((w1, (12, 16)), (w2, (16, 12)), (w3, (12, 16))):
+            lin = torch.nn.Linear(shape[1], shape[0], bias=False)
+            assert torch.equal(lin.weight, w)

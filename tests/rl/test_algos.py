@@ -17,6 +17,9 @@ from omegaconf import OmegaConf
 
 from rl.algos import ALGOS, LossInputs, get_algo
 
+# the policy-gradient algorithms; the supervised objective (nll) has its own test at the end
+RL_ALGOS = sorted(name for name, cls in ALGOS.items() if cls.uses_rewards)
+
 e = math.exp
 
 
@@ -176,7 +179,7 @@ def test_sequence_tis_uses_the_product_of_ratios():
     close(loss, -1.0)
 
 
-@pytest.mark.parametrize("name", sorted(ALGOS))
+@pytest.mark.parametrize("name", RL_ALGOS)
 def test_mismatch_kl_zero_when_engine_matches(name):
     _, _, m = loss_and_grad(get_algo(name), make(**CASE))
     assert m["mismatch_kl"] == 0.0 and m["tis_capped_frac"] == 0.0
@@ -222,7 +225,7 @@ def test_advantages_hand_cases():
     assert get_algo("ppo", scale_by_std=True, adv_eps=0.0).advantages(r).tolist() == pytest.approx([1 / s, -1 / s, 0])
 
 
-@pytest.mark.parametrize("name", sorted(ALGOS))
+@pytest.mark.parametrize("name", RL_ALGOS)
 @pytest.mark.parametrize("rewards", [[0.7, 0.7, 0.7, 0.7], [0.1, 0.1, 0.1], [1.0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_equal_rewards_give_zero_advantage(name, rewards, dtype):
@@ -268,7 +271,7 @@ def _inputs_for(batch, seqs):
         ref_logprobs=batch["ref"][idx])
 
 
-@pytest.mark.parametrize("name", sorted(ALGOS))
+@pytest.mark.parametrize("name", RL_ALGOS)
 @pytest.mark.parametrize("tis_level", ["token", "sequence"])
 def test_micro_batch_accumulation_equals_one_batch(name, tis_level):
     lengths = [3, 1, 7, 2, 5, 4]
@@ -327,7 +330,7 @@ def test_unknown_or_invalid_setting():
     assert get_algo("ppo", eps_high=0.3).cfg.eps_high == 0.3
 
 
-@pytest.mark.parametrize("name", sorted(ALGOS))
+@pytest.mark.parametrize("name", RL_ALGOS)
 def test_configs_are_omegaconf_structured(name):
     cls = ALGOS[name]
     cfg = OmegaConf.merge(OmegaConf.structured(cls.Config), {"kl_coef": 0.01})
@@ -340,3 +343,31 @@ def test_imports_without_ray_or_vllm():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'vllm', 'transformers')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nll_hand_computed_and_accumulates():
+    """NLL: −Σ log p / N over the global step; two micro-batches add up to the whole; no rewards used."""
+    import torch
+
+    from rl.algos import get_algo
+    from rl.algos.base import LossInputs
+
+    algo = get_algo("nll")
+    assert not algo.uses_rewards and algo.advantages(torch.tensor([3.0, -1.0])).tolist() == [1.0, 1.0]
+    logp = torch.tensor([-0.5, -1.0, -2.0, -0.25], requires_grad=True)
+
+    def inputs(lp, seq_ids, num_seqs):
+        zeros = torch.zeros_like(lp)
+        return LossInputs(logprobs=lp, old_logprobs=lp.detach(), behaviour_logprobs=zeros - 9.0,
+                          advantages=zeros + 1.0, seq_ids=torch.tensor(seq_ids), num_seqs=num_seqs,
+                          num_tokens_global=4, num_seqs_global=2)
+
+    loss, metrics = algo.loss(inputs(logp, [0, 0, 1, 1], 2))
+    assert loss.item() == pytest.approx(3.75 / 4) and metrics["nll"].item() == pytest.approx(3.75 / 4)
+    loss.backward()
+    assert logp.grad.tolist() == [-0.25] * 4
+    a, _ = algo.loss(inputs(logp[:2].detach(), [0, 0], 1))
+    b, _ = algo.loss(inputs(logp[2:].detach(), [0, 0], 1))
+    assert float(a + b) == pytest.approx(float(loss))
+    with pytest.raises(ValueError, match="unknown setting"):
+        get_algo("nll", kl_coef=0.1)

@@ -409,7 +409,7 @@ def test_k3_routing_replay_uses_the_recorded_experts(k3_setup):
     def used_routing(replay: bool) -> torch.Tensor:
         learner = Learner(k3_cfg(path, routing_replay=replay))
         with torch.no_grad():  # move every router bias so the learner's own choice differs
-            for r in learner._routing.routers:
+            for r in learner._routers:
                 r.e_score_correction_bias.copy_(torch.linspace(-1.0, 1.0, r.num_experts))
         learner.score([traj])
         return learner.model.last_routed_expert_ids()[0]  # [n, L, k]
@@ -421,3 +421,34 @@ def test_k3_routing_replay_uses_the_recorded_experts(k3_setup):
     # first recorded token (later positions see replayed experts in their context)
     first = int(np.argmax(known.all(-1).numpy()))
     assert torch.equal(replayed[:first], own[:first])
+
+
+def test_nll_objective_hand_computed(tiny_qwen3_dir):
+    """`algo: nll` (rl/algos/nll.py) trains demonstrations that have no reward and no group: the step's loss
+    is −mean log p of the loss-mask tokens from full float64 logits, and micro-batching leaves the update
+    unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    demos = []
+    for prompt, answer in ((PROMPTS[0], [20, 21, 22, 2]), (PROMPTS[1], [30, 31, 2]), (PROMPTS[2], [40, 2])):
+        builder = TrajectoryBuilder(prompt)
+        builder.append_sampled(answer, [0.0] * len(answer), version=0)
+        builder.append_context([9, 9])  # context after the answer: read, not trained
+        demos.append(builder.finish(reward=0.0, task_id="demo"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float64).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for t in demos:
+            tokens = torch.tensor(t.tokens, dtype=torch.long)
+            logp = model(tokens[None]).logits[0, :-1].log_softmax(-1)[torch.arange(len(tokens) - 1), tokens[1:]]
+            sel = torch.from_numpy(t.loss_mask[1:].astype(bool))
+            total, count = total - float(logp[sel].sum()), count + int(sel.sum())
+    one = Learner(qwen_cfg(tiny_qwen3_dir, algo="nll", dtype="float64", micro_batch_tokens=1))
+    big = Learner(qwen_cfg(tiny_qwen3_dir, algo="nll", dtype="float64", micro_batch_tokens=100_000))
+    m_one, m_big = one.train_step(demos), big.train_step(demos)
+    assert m_big["num_loss_tokens"] == count == 9 and m_big["skipped"] == 0
+    assert m_big["loss"] == pytest.approx(total / count, rel=1e-10)
+    assert m_one["loss"] == pytest.approx(total / count, rel=1e-10) and m_one["micro_batches"] == 3
+    assert_same_weights(weights(one), weights(big), atol=1e-12)
+    after = big.score(demos)  # the step made the demonstrations more likely
+    assert -sum(a.sum() for a in after) / count < total / count

@@ -1,13 +1,21 @@
-"""Grouped routed experts: sort the (token, slot) pairs by expert, then each projection is one grouped matmul
-over all experts (`grouped_linear`), the activation runs once on all pairs, and the outputs are scattered
+"""Grouped routed experts: sort the (token, slot) pairs by expert, run all experts at once, scatter the outputs
 back with the router weights. The number of kernel launches no longer grows with the number of experts,
-which is what made decoding slow (bench/rollout.py measures both).
+which is what made decoding slow (bench/rollout.py measures both paths).
 
-`grouped_linear` uses `torch.nn.functional.grouped_mm` (one kernel for all groups, offsets on the device,
-no host sync) where PyTorch supports the case — on the CPU float32/bfloat16/float16, on CUDA bfloat16,
-with rows whose byte stride is a multiple of 16 (not yet measured on a GPU here) — and otherwise a padded batched matmul: the pairs are placed in an [E, C, d] buffer,
-C = the largest expert count, and multiplied by the stacked weights with one `bmm` (exact in float64,
-any width). Both are differentiable; an expert with no pairs contributes nothing and gets a zero gradient.
+Three ways to run the sorted pairs, chosen per call from the expert counts (`strategy`):
+- padded: the pairs are placed in an [E, C, d] buffer (C = the largest expert count) and the whole expert
+  MLP runs on it as three batched matmuls (`bmm`) and one activation — the fewest operations, so the
+  fastest when the buffer is small or nearly full (decoding, balanced routing); exact in any dtype.
+  Padding rows are zeros and are never read back.
+- grouped_mm: `torch.nn.functional.grouped_mm` over the sorted rows, one call per projection with the
+  group offsets, no padding — for a skewed routing, where the padded buffer would be mostly empty. Used
+  where PyTorch has the case: on the CPU float32/bfloat16/float16, on CUDA bfloat16, with rows whose
+  byte stride is a multiple of 16 (not yet measured on a GPU here); on CUDA always, where it applies.
+- loop: one matmul per expert (kernels/moe/naive.py `expert_loop`) once the experts have many rows each
+  (over `LOOP_ROWS` on average): on the CPU the launch cost is then negligible, and MKL's plain GEMMs
+  beat both batched forms (measured at 4288 tokens × top-2 over 8 experts: loop 58 ms, padded 81 ms,
+  grouped_mm 77 ms, forward; so training shapes keep the speed they had).
+All are differentiable; an expert with no pairs contributes nothing and gets a zero gradient.
 """
 
 from __future__ import annotations
@@ -17,9 +25,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.permute import dispatch
+from kernels.moe.naive import expert_loop
+from kernels.moe.permute import Dispatch, dispatch
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The padded buffer is used while it holds at most this many rows per sorted pair (or is tiny anyway).
+PAD_WASTE = 2.0
+PAD_SMALL_ROWS = 256
+# Above this many sorted pairs per expert (on average) the CPU runs one plain matmul per expert.
+LOOP_ROWS = 48
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -44,27 +58,60 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _padded_index(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(expert [M], slot [M], capacity C) of `rows` sorted rows in groups of `counts` [E]."""
+    e = counts.shape[0]
+    expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts, output_size=rows)  # [M]
+    slot = torch.arange(rows, device=counts.device) - (counts.cumsum(0) - counts)[expert]  # [M]
+    return expert, slot, int(counts.max()) if rows else 0
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows x [M, d_in] sorted into consecutive groups of `counts` [E] rows; w [E, d_out, d_in] (nn.Linear
-    layout) → [M, d_out], group e multiplied by w[e]ᵀ."""
+    layout) → [M, d_out], group e multiplied by w[e]ᵀ. grouped_mm where supported, else padded `bmm`."""
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[1])
     if _grouped_mm_ok(x, w):
         offsets = counts.cumsum(0).to(torch.int32)  # [E], end of each group
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), w.transpose(1, 2), offs=offsets))
-    e = w.shape[0]
-    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=x.shape[0])  # [M]
-    starts = counts.cumsum(0) - counts  # [E]
-    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]  # [M], row within its group
-    capacity = int(counts.max())
-    buf = x.new_zeros(e, capacity, x.shape[1]).index_put((expert, slot), x)  # [E, C, d_in]
+    expert, slot, capacity = _padded_index(counts, x.shape[0])
+    buf = x.new_zeros(w.shape[0], capacity, x.shape[1]).index_put((expert, slot), x)  # [E, C, d_in]
     return torch.bmm(buf, w.transpose(1, 2))[expert, slot]  # [M, d_out]
 
 
+def strategy(plan: Dispatch, zs: torch.Tensor, w1: torch.Tensor) -> str:
+    """`padded`, `grouped_mm` or `loop` for this routing (see module docstring)."""
+    e = w1.shape[0]
+    mm_ok = _grouped_mm_ok(zs, w1) and _grouped_mm_ok(zs.new_empty(0, w1.shape[1]), w1.transpose(1, 2))
+    if zs.is_cuda and mm_ok:
+        return "grouped_mm"
+    if zs.shape[0] > LOOP_ROWS * e:
+        return "loop"
+    if e * int(plan.counts.max()) <= max(PAD_WASTE * zs.shape[0], PAD_SMALL_ROWS) or not mm_ok:
+        return "padded"
+    return "grouped_mm"
+
+
 def grouped_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                    w2: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """z [N, d], ids/weights [N, k], w1/w3 [E, I, d], w2 [E, d, I] → [N, d] in z's dtype."""
+                    w2: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    how: str | None = None) -> torch.Tensor:
+    """z [N, d], ids/weights [N, k], w1/w3 [E, I, d], w2 [E, d, I] → [N, d] in z's dtype. `how` forces a
+    path (`padded`, `grouped_mm`, `loop`; None: chosen per call by `strategy`)."""
     plan = dispatch(ids, w1.shape[0])
-    zs = plan.gather(z)  # [N·k, d]
-    h = act(grouped_linear(zs, w1, plan.counts), grouped_linear(zs, w3, plan.counts))  # [N·k, I]
-    return plan.combine(grouped_linear(h, w2, plan.counts), weights, z.dtype)
+    zs = plan.gather(z)  # [M = N·k, d]
+    if zs.shape[0] == 0:
+        return plan.combine(zs.new_zeros(0, w2.shape[1]), weights, z.dtype)
+    how = how or strategy(plan, zs, w1)
+    if how == "loop":
+        y = expert_loop(zs, plan.counts, w1, w3, w2, act)
+    elif how == "padded":
+        expert, slot, capacity = _padded_index(plan.counts, zs.shape[0])
+        buf = zs.new_zeros(w1.shape[0], capacity, zs.shape[1]).index_put((expert, slot), zs)  # [E, C, d]
+        h = act(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)))  # [E, C, I]
+        y = torch.bmm(h, w2.transpose(1, 2))[expert, slot]  # [M, d]
+    elif how == "grouped_mm":
+        h = act(grouped_linear(zs, w1, plan.counts), grouped_linear(zs, w3, plan.counts))  # [M, I]
+        y = grouped_linear(h, w2, plan.counts)
+    else:
+        raise ValueError(f"grouped_experts: how must be padded, grouped_mm or loop, got {how!r}")
+    return plan.combine(y, weights, z.dtype)

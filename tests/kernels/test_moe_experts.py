@@ -1,15 +1,19 @@
-"""Tests of kernels/moe: the grouped routed experts against the per-expert loop (naive.py) and a float64
-per-token reference written from the definition — outputs and gradients of every input, an expert no
-token chose, all tokens on one expert, a single token, both branches of `grouped_linear` (grouped_mm and
-the padded batched matmul), bf16 within rounding."""
+"""Tests of kernels/moe: the grouped routed experts — each of its three ways (padded bmm, grouped_mm, loop)
+and the automatic choice — against the per-expert loop (naive.py) and a float64 per-token reference
+written from the definition: outputs and gradients of every input, an expert no token chose, all
+tokens on one expert, a single token, widths grouped_mm refuses, both branches of `grouped_linear`,
+bf16 within rounding, and the choice itself (decode-sized → padded, training-sized → loop)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import grouped_experts, grouped_linear, naive_experts, routed_experts
+from kernels.moe import dispatch, grouped_experts, grouped_linear, naive_experts, routed_experts
+from kernels.moe.grouped import strategy
 from kernels.situ import naive_situ_glu
 
 
@@ -59,11 +63,15 @@ CASES = [
 ]
 
 
+HOWS = [None, "padded", "grouped_mm", "loop"]
+
+
+@pytest.mark.parametrize("how", HOWS, ids=["auto", "padded", "grouped_mm", "loop"])
 @pytest.mark.parametrize("case", CASES, ids=["empty_expert", "odd_widths", "one_token", "one_expert"])
-def test_grouped_equals_naive_and_reference_float64(case):
+def test_grouped_equals_naive_and_reference_float64(case, how):
     inputs = make_inputs(**case, dtype=torch.float64, seed=1)
     ref = per_token_reference(*inputs)
-    out_g, grads_g = run_with_grads(grouped_experts, inputs)
+    out_g, grads_g = run_with_grads(partial(grouped_experts, how=how), inputs)
     out_n, grads_n = run_with_grads(naive_experts, inputs)
     torch.testing.assert_close(out_g, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_n, ref, rtol=1e-12, atol=1e-12)
@@ -75,12 +83,13 @@ def test_grouped_equals_naive_and_reference_float64(case):
             assert torch.count_nonzero(w.sum(dim=(1, 2))) == case["e"] - 1
 
 
+@pytest.mark.parametrize("how", HOWS, ids=["auto", "padded", "grouped_mm", "loop"])
 @pytest.mark.parametrize("case", CASES[:1] + CASES[2:], ids=["empty_expert", "one_token", "one_expert"])
-def test_grouped_mm_branch_float32(case):
-    """float32 with widths that are multiples of 4: the grouped_mm branch (where PyTorch has it)."""
+def test_float32_paths(case, how):
+    """float32 with widths that are multiples of 4: grouped_mm runs as itself (where PyTorch has it)."""
     inputs = make_inputs(**case, dtype=torch.float32, seed=2)
     ref = per_token_reference(*inputs)
-    out_g, grads_g = run_with_grads(grouped_experts, inputs)
+    out_g, grads_g = run_with_grads(partial(grouped_experts, how=how), inputs)
     out_n, grads_n = run_with_grads(naive_experts, inputs)
     assert out_g.dtype == torch.float32
     torch.testing.assert_close(out_g.double(), ref, rtol=1e-5, atol=1e-5)
@@ -117,6 +126,24 @@ def test_no_tokens_and_unknown_impl():
         assert out.shape == (0, 8)
     with pytest.raises(ValueError, match="moe impl must be one of"):
         routed_experts(z, ids, weights, w1, w3, w2, act, "fused")
+    with pytest.raises(ValueError, match="how must be"):
+        grouped_experts(z, ids, weights, w1, w3, w2, act, how="fused")
+
+
+def test_strategy_by_shape():
+    """Decoding shapes take the padded buffer, a skewed small batch grouped_mm, training shapes the loop."""
+    w1 = torch.zeros(8, 16, 32)
+
+    def choice(ids):
+        plan = dispatch(ids, 8)
+        return strategy(plan, torch.zeros(ids.numel(), 32), w1)
+
+    g = torch.Generator().manual_seed(7)
+    assert choice(torch.rand(8, 8, generator=g).topk(2, -1).indices) == "padded"  # batch 8, top-2
+    skewed = torch.stack([torch.zeros(150, dtype=torch.long), torch.ones(150, dtype=torch.long)], 1)
+    assert choice(skewed) == "grouped_mm"  # 300 pairs on 2 experts: the buffer would be 4× the pairs
+    assert choice(torch.rand(4096, 8, generator=g).topk(2, -1).indices) == "loop"
+    assert strategy(dispatch(skewed, 8), torch.zeros(300, 10), torch.zeros(8, 6, 10)) == "padded"  # odd widths
 
 
 def test_silu_activation_path():

@@ -93,6 +93,9 @@ class RLConfig:
     """Keyword arguments of the environment (`envs.make(rl.env, **env_args)`), e.g. `corpus: null`."""
     tasks_path: Optional[str] = None
     """JSONL file of training tasks (one JSON task per line); null: `env.tasks(num_tasks, seed=run.seed)`."""
+    bad_task_rows: str = "refuse"
+    """A row of `tasks_path`/`eval_tasks_path` that is not JSON or not a task of the environment: `refuse`
+    (a named error before anything runs) or `skip` (left out; the count and the first rows are printed)."""
     num_tasks: int = 256
     """Training tasks drawn from the environment when `tasks_path` is null."""
     eval_tasks_path: Optional[str] = None

@@ -115,10 +115,19 @@ def _task_id(task: Any, fallback: str) -> str:
     return str(task["id"]) if isinstance(task, dict) and "id" in task else fallback
 
 
-def read_tasks(path: str | Path, env: Any = None) -> list[Any]:
+BAD_ROW_POLICIES = ("refuse", "skip")
+
+
+def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
+               skipped: Optional[list[str]] = None) -> list[Any]:
     """Tasks of a JSONL file, one JSON value per non-empty line. With `env`, every task is checked by
     starting an episode on it (`env.reset`), so a row of the wrong shape is named (file and line)
-    before anything runs instead of failing later inside a rollout worker."""
+    before anything runs instead of failing later inside a rollout worker.
+
+    `bad_rows`: `refuse` (the first bad row is a ConfigError) or `skip` (bad rows are left out and
+    described in `skipped`, "file:line: reason" each). A file that is not UTF-8 is refused either way."""
+    if bad_rows not in BAD_ROW_POLICIES:
+        raise ConfigError(f"bad task rows: {bad_rows!r} is not one of {', '.join(BAD_ROW_POLICIES)}")
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"task file not found: {path}")
@@ -128,18 +137,27 @@ def read_tasks(path: str | Path, env: Any = None) -> list[Any]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                task = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if not line.strip():
+            continue
+        try:
+            task = json.loads(line)
             if env is not None:
                 try:
                     env.reset(task)
                 except Exception as e:  # whatever the environment raises for a task it cannot start
-                    raise ConfigError(f"{path}:{i}: not a task of environment {type(env).__name__} "
+                    raise ConfigError(f"not a task of environment {type(env).__name__} "
                                       f"({type(e).__name__}: {e})") from None
+        except json.JSONDecodeError as e:
+            problem = f"{path}:{i}: not valid JSON ({e.msg})"
+        except ConfigError as e:
+            problem = f"{path}:{i}: {e}"
+        else:
             tasks.append(task)
+            continue
+        if bad_rows == "refuse":
+            raise ConfigError(problem + " (rl.bad_task_rows=skip leaves such rows out)")
+        if skipped is not None:
+            skipped.append(problem)
     return tasks
 
 
@@ -241,6 +259,9 @@ class Trainer:
                               f"{self.restored_trajectories} collected trajectories waiting)")
         if self._dropped_line:
             self.logger.print(f"[yellow]{self._dropped_line}")
+        if self.skipped_rows:
+            shown = "; ".join(self.skipped_rows[:3]) + ("; …" if len(self.skipped_rows) > 3 else "")
+            self.logger.print(f"[yellow]skipped {len(self.skipped_rows)} bad task row(s) (rl.bad_task_rows=skip): {shown}")
         if rl.eval_every > 0 and not self.eval_tasks:
             self.logger.print("[yellow]no held-out tasks left after removing training tasks: evaluation is off")
 
@@ -262,6 +283,8 @@ class Trainer:
         rl = self.rl
         if rl.mode not in ("sync", "async"):
             raise ConfigError(f"rl.mode: {rl.mode!r} is not one of sync, async")
+        if rl.bad_task_rows not in BAD_ROW_POLICIES:
+            raise ConfigError(f"rl.bad_task_rows: {rl.bad_task_rows!r} is not one of {', '.join(BAD_ROW_POLICIES)}")
         if not rl.model_path:
             raise ConfigError("rl.model_path: set the initial policy's HF directory (`k3rl init`, `k3rl sft`, …)")
         positive = ("steps", "tasks_per_step", "group_size", "num_rollout_workers", "num_learners", "keep_checkpoints")
@@ -326,13 +349,14 @@ class Trainer:
     def _load_tasks(self, env: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         rl = self.rl
         self._dropped_line: Optional[str] = None
-        train = read_tasks(rl.tasks_path, env) if rl.tasks_path else make_tasks(env, rl.num_tasks, self.cfg.run.seed,
-                                                                           "rl.num_tasks / rl.env_args")
+        self.skipped_rows: list[str] = []
+        train = read_tasks(rl.tasks_path, env, rl.bad_task_rows, self.skipped_rows) if rl.tasks_path else \
+            make_tasks(env, rl.num_tasks, self.cfg.run.seed, "rl.num_tasks / rl.env_args")
         if not train:
             raise ConfigError("no training tasks (rl.tasks_path is empty, or rl.num_tasks is 0)")
         held_out = []
         if rl.eval_every > 0:
-            held_out = read_tasks(rl.eval_tasks_path, env) if rl.eval_tasks_path else (
+            held_out = read_tasks(rl.eval_tasks_path, env, rl.bad_task_rows, self.skipped_rows) if rl.eval_tasks_path else (
                 make_tasks(env, rl.eval_tasks, rl.eval_seed, "rl.eval_tasks / rl.env_args") if rl.eval_tasks > 0 else [])
             held_out, self._dropped_line = remove_training_tasks(held_out, train)
         named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],

@@ -253,6 +253,28 @@ def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, t
     assert not (tmp_path / "runs").exists()
 
 
+def test_bad_task_rows_refused_or_skipped_and_counted(task_files, tmp_path):
+    """`rl.bad_task_rows`: `refuse` names the first bad row; `skip` leaves bad rows out and describes each."""
+    from envs.search import SearchEnv
+    from rl.config import ConfigError
+    from rl.trainer import read_tasks
+
+    train, _ = task_files
+    good = train.read_text().splitlines()[:2]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join([good[0], "{not json", "", '{"question": 3}', good[1]]) + "\n")
+    env = SearchEnv(corpus=None)
+    with pytest.raises(ConfigError, match=rf"{path}:2: not valid JSON .*rl.bad_task_rows=skip"):
+        read_tasks(path, env)
+    skipped: list[str] = []
+    tasks = read_tasks(path, env, "skip", skipped)
+    assert [json.dumps(t) for t in tasks] == [json.dumps(json.loads(g)) for g in good]
+    assert len(skipped) == 2 and skipped[0].startswith(f"{path}:2: not valid JSON")
+    assert skipped[1].startswith(f"{path}:4: not a task of environment SearchEnv")
+    with pytest.raises(ConfigError, match="'ignore' is not one of refuse, skip"):
+        read_tasks(path, env, "ignore")
+
+
 def test_resume_without_a_loadable_checkpoint_is_a_named_error_and_changes_nothing(tiny_qwen3_dir, task_files,
                                                                                   tmp_path):
     """No Ray needed: the resume point is decided before anything starts or is written."""

@@ -43,6 +43,7 @@ from envs import scoring
 from envs.base import Env, Policy
 from envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
 from envs.registry import register
+from envs.search_oracle import SearchOracle
 from envs.tools import TOOL_PROMPT_STYLES, ToolError, tool
 
 _CORPORA: dict[str, Corpus] = {}
@@ -254,8 +255,6 @@ class SearchEnv(Env):
         return wiki_tasks(self.shared_corpus, n, seed)
 
     def oracle(self, task: Mapping[str, Any]) -> Policy:
-        from envs.oracles import SearchOracle
-
         return SearchOracle(task, k=self.oracle_k)
 
 

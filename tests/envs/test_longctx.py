@@ -8,10 +8,11 @@ import pytest
 
 from envs import make, run_episode
 from envs import longctx as L
-from envs import oracles as O
 from envs import scoring
 from envs.base import as_token_counter
 from envs.index import dense_model_dir
+from envs.longctx import needle
+from envs.search_oracle import parse_results
 
 FAMILIES = list(L.FAMILIES)
 
@@ -86,7 +87,7 @@ def test_multihop_chains_and_invented_names():
         assert 1 <= inst.hops <= 4
         if not inst.unanswerable:
             assert len(inst.evidence) == inst.hops
-            words = L._pool_words("wiki")
+            words = L.pool_words("wiki")
             assert not any(w.lower() in words for w in inst.answers[0].split())
     assert hops == {1, 2, 3, 4}
 
@@ -138,7 +139,7 @@ def test_shakespeare_haystack():
     inst = L.generate("ith", 1, length=8000, source="shakespeare")
     text = L.render_context(inst)
     assert "ACT" in text or "Enter" in text or "SCENE" in text.upper()
-    answer, evidence = O.solve_in_context("ith", inst.question, inst.passages)
+    answer, evidence = L.solve_in_context("ith", inst.question, inst.passages)
     assert [answer] == inst.answers and evidence == inst.evidence
 
 
@@ -170,17 +171,17 @@ def test_scorers_hand_checked():
 
 def test_parse_helpers_round_trip():
     inst = L.generate("needle", 2, length=2000, source="wiki")
-    question, passages = O.parse_context(L.render_context(inst))
+    question, passages = L.parse_context(L.render_context(inst))
     assert question == inst.question and passages == inst.passages
     obs = "Results for \"x\":\n\n[1] p00003\nline one\n\nline two\n\n[2] p00007\nthird"
-    assert O.parse_results(obs) == [("p00003", "line one\n\nline two"), ("p00007", "third")]
+    assert parse_results(obs) == [("p00003", "line one\n\nline two"), ("p00007", "third")]
 
 
 def test_one_million_token_haystack():
     inst = L.generate("multihop", 4, length=1_000_000, source="mixed")
     n = inst.meta["tokens"]
     assert 0.98 * 1_000_000 <= n <= 1_000_000 and len(inst.passages) > 5000
-    answer, _ = O.solve_in_context("multihop", inst.question, inst.passages)
+    answer, _ = L.solve_in_context("multihop", inst.question, inst.passages)
     assert [answer] == inst.answers
 
 
@@ -192,7 +193,7 @@ def test_needle_colour_question_has_one_right_record():
                           paraphrase_rate=0.5, unanswerable_rate=0.0)
         m = re.match(r"What colour is the (.+?) (?:kept by|that) the (.+?)(?: looks after)?\?$", inst.question)
         assert m, inst.question
-        obj, role = (O._SYNONYM.get(g, g) for g in m.groups())
+        obj, role = (needle.CANONICAL.get(g, g) for g in m.groups())
         text = " ".join(t for _, t in inst.passages)
         records = re.findall(r"The (\w+) keeps an? (\w+) (\w+), and its registry number is \d+\.", text)
         assert len(records) == 4

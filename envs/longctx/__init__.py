@@ -1,0 +1,40 @@
+"""Long-context evidence-retrieval tasks: seeded generators, two ways of serving, oracles.
+
+Families (each instance is a pure function of ``(family, seed, options)``):
+
+- ``needle``: one record among near-miss distractors, keys literal or paraphrased (RULER, NoLiMa).
+- ``multihop``: chains of 1–4 hops over invented people, towns and rivers (MuSiQue).
+- ``aggregate``: sum, count or arg-max over scattered ledger entries.
+- ``ith``: the i-th of m near-identical memos (MRCR).
+
+A share of every family (``unanswerable_rate``) has no answer in the text (a missing
+link, an absent key, i > m); the gold answer is then "unanswerable". Served **in
+context** (``serve="context"``) or **behind search** (``serve="search"``).
+
+Layout: ``task.py`` (the types, template → regex), ``names.py`` (invented names), one
+module per family holding its vocabulary, sentence templates, generator and solver
+(``needle.py``, ``multihop.py``, ``aggregate.py``, ``ith.py``), ``families.py`` (the
+family table), ``haystack.py`` (``generate``: facts hidden in real text, sized;
+the in-context prompt), ``oracles.py`` (solvers played as policies), ``serving.py``
+(the environments; registers them). Imports run one way, towards ``task.py``; nothing
+here is imported by envs/search.py.
+"""
+
+from envs.longctx.aggregate import GOODS
+from envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS, SOLVERS
+from envs.longctx.haystack import PROMPT_CONTEXT, generate, haystack_pool, parse_context, pool_words, render_context
+from envs.longctx.ith import MEMO_ADJ, MEMO_OBJ, ORDINALS
+from envs.longctx.multihop import RELATIONS
+from envs.longctx.names import ENTITY_PATTERN
+from envs.longctx.needle import COLOURS, OBJECTS, ROLES
+from envs.longctx.oracles import ContextOracle, FamilySearchOracle, solve_in_context
+from envs.longctx.serving import PROMPT_SEARCH, PROMPT_SEARCH_MINIMAL, LongContextEnv, LongContextSearchEnv
+from envs.longctx.task import UNANSWERABLE, Fact, Instance, Passages, Solver
+
+__all__ = [
+    "COLOURS", "DEFAULTS", "ENTITY_PATTERN", "FAMILIES", "GENERATORS", "GOODS", "MEMO_ADJ", "MEMO_OBJ", "OBJECTS",
+    "ORDINALS", "PROMPT_CONTEXT", "PROMPT_SEARCH", "PROMPT_SEARCH_MINIMAL", "RELATIONS", "ROLES", "SOLVERS",
+    "UNANSWERABLE", "ContextOracle", "FamilySearchOracle", "Fact", "Instance", "LongContextEnv",
+    "LongContextSearchEnv", "Passages", "Solver", "generate", "haystack_pool", "parse_context", "pool_words",
+    "render_context", "solve_in_context",
+]

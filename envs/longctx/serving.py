@@ -1,0 +1,140 @@
+"""The two ways of serving a long-context family, as registered environments.
+
+**In context** (``serve="context"``, ``LongContextEnv``): the whole haystack is in the
+prompt; one tool, ``answer(text, evidence)``. **Behind search** (``serve="search"``,
+``LongContextSearchEnv``): the same passages are the per-task corpus of a ``SearchEnv``.
+A task is ``{"family", "seed"}`` plus optional overrides (``length``, ``source``, any
+generator option); the instance is regenerated from it. Importing this module registers
+one environment per family (``make("needle", serve="search", …)``).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Mapping
+
+from envs import scoring
+from envs.base import Env, Policy
+from envs.longctx.families import DEFAULTS, FAMILIES
+from envs.longctx.haystack import generate, render_context
+from envs.longctx.oracles import ContextOracle, FamilySearchOracle
+from envs.longctx.task import Instance
+from envs.registry import register
+from envs.search import SearchEnv
+from envs.tools import tool
+
+PROMPT_SEARCH = (
+    "The collection is one long text split into passages whose ids (p00000, p00001, ...) "
+    "follow the order of the text. Search it to answer, then call `answer` with the answer alone (a name or a number). "
+    'If the collection does not contain the answer, answer "unanswerable".\n\nQuestion: {question}'
+)
+
+PROMPT_SEARCH_MINIMAL = 'Search the passages, then answer with the answer alone (or "unanswerable").\n\nQuestion: {question}'
+"""The search prompt of `tool_prompt="minimal"`: the task without the prose."""
+
+
+class _FamilyTasks:
+    """Task sampling shared by both servings: a task is ``{"family", "seed"}`` plus overrides."""
+
+    family: str
+
+    def tasks(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        rng = random.Random(f"tasks:{self.family}:{seed}")
+        return [{"family": self.family, "seed": rng.randrange(2**31)} for _ in range(n)]
+
+    def instance(self, task: Mapping[str, Any]) -> Instance:
+        options = {**self.options, **{k: v for k, v in task.items() if k in DEFAULTS}}
+        return generate(task.get("family", self.family), int(task["seed"]), int(task.get("length", self.length)),
+                        task.get("source", self.source), self.tokenizer, **options)
+
+
+class LongContextEnv(_FamilyTasks, Env):
+    """A long-context family served in context: the haystack is in the prompt; one tool, ``answer``."""
+
+    success_metric = "em"
+
+    system_prompt = "You answer questions about a long text given in the user message."
+
+    def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
+                 tokenizer: Any = None, evidence_weight: float = 0.0, **options: Any):
+        self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
+        self.evidence_weight, self.options = evidence_weight, options
+
+    def reset(self, task: Mapping[str, Any]) -> str:
+        self.current = self.instance(task)
+        self.final: str | None = None
+        self.cited: list[str] = []
+        return render_context(self.current)
+
+    @tool(terminal=True)
+    def answer(self, text: str, evidence: list[str] | None = None) -> str:
+        """Give the final answer and end the episode.
+
+        Args:
+            text: the answer alone (a name or a number), or "unanswerable".
+            evidence: ids of the passages the answer rests on, e.g. ["p00042"].
+        """
+        self.final, self.cited = text, list(evidence or [])
+        return "Answer recorded."
+
+    def metrics(self) -> dict[str, Any]:
+        inst = self.current
+        return {
+            "family": inst.family, "hops": inst.hops, "unanswerable": inst.unanswerable, "tokens": inst.meta["tokens"],
+            "answered": self.final is not None,
+            "em": scoring.exact_match(self.final, inst.answers), "f1": scoring.f1(self.final, inst.answers),
+            "evidence_recall": scoring.evidence_recall(self.cited, inst.evidence),
+        }
+
+    def reward(self) -> float:
+        if self.final is None:
+            return 0.0
+        w = self.evidence_weight
+        return (1 - w) * scoring.f1(self.final, self.current.answers) + w * scoring.evidence_recall(self.cited, self.current.evidence)
+
+    def oracle(self, task: Mapping[str, Any]) -> Policy:
+        return ContextOracle(task.get("family", self.family))
+
+
+class LongContextSearchEnv(_FamilyTasks, SearchEnv):
+    """A long-context family served behind search: the haystack is the corpus of ``search``/``open``."""
+
+    def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
+                 tokenizer: Any = None, max_k: int = 20, evidence_weight: float = 0.1, oracle_k: int | None = None,
+                 snippet_chars: int = 4000, tool_prompt: str = "json", snippet: str = "head", **options: Any):
+        """``oracle_k``: the k of the oracle's searches (default ``max_k``); the rest as ``SearchEnv``."""
+        super().__init__(corpus=None, max_k=max_k, snippet_chars=snippet_chars, evidence_weight=evidence_weight,
+                         oracle_k=max_k if oracle_k is None else oracle_k, tool_prompt=tool_prompt, snippet=snippet)
+        self.family, self.length, self.source, self.tokenizer, self.options = family, length, source, tokenizer, options
+
+    def reset(self, task: Mapping[str, Any]) -> str:
+        self.current = self.instance(task)
+        return super().reset(self.current.search_task())
+
+    def prompt(self, task: Mapping[str, Any]) -> str:
+        template = PROMPT_SEARCH_MINIMAL if self.tool_prompt == "minimal" else PROMPT_SEARCH
+        return template.format(question=task["question"])
+
+    def metrics(self) -> dict[str, Any]:
+        inst = self.current
+        return {"family": inst.family, "hops": inst.hops, "unanswerable": inst.unanswerable, **super().metrics()}
+
+    def oracle(self, task: Mapping[str, Any]) -> Policy:
+        return FamilySearchOracle(task.get("family", self.family), self.oracle_k)
+
+
+def _family_factory(family: str) -> Callable[..., Env]:
+    def make(serve: str = "context", **kwargs: Any) -> Env:
+        if serve == "context":
+            return LongContextEnv(family, **kwargs)
+        if serve == "search":
+            return LongContextSearchEnv(family, **kwargs)
+        raise ValueError(f"serve must be 'context' or 'search', got {serve!r}")
+
+    make.__name__ = family
+    make.__doc__ = FAMILIES[family]
+    return make
+
+
+for _name, _summary in FAMILIES.items():
+    register(_name, summary=_summary + " serve=context|search")(_family_factory(_name))

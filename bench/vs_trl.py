@@ -193,8 +193,8 @@ def k3rl_overrides(args: argparse.Namespace, model_dir: Path, tasks_path: Path, 
               num_learners=1, eval_every=0, save_every=10**6, max_context_tokens=4096,
               rollout_num_cpus=args.threads, learner_num_cpus=args.threads)
     return ([f"run.output_dir={out_dir}", f"run.name=k3rl_ray_{os.getpid()}", f"run.seed={args.seed}",
-             f"rl.model_path={model_dir}", f"rl.tasks_path={tasks_path}",
-             "rl.algo_args={adv_eps: 1.0e-4, eps_low: 0.2, eps_high: 0.2, tis_level: none}"]
+             f"rl.model_path={model_dir}", f"env.tasks_path={tasks_path}",
+             "algo.args={adv_eps: 1.0e-4, eps_low: 0.2, eps_high: 0.2, tis_level: none}"]
             + [f"rl.{k}={v}" for k, v in rl.items()])
 
 

@@ -267,9 +267,9 @@ class SFTConfig:
     demonstration is one the rollouts that follow could have produced; longer ones are dropped."""
 
     env: Optional[str] = None
-    """Registered environment whose oracle plays the demonstrations; null: `rl.env`."""
+    """Registered environment whose oracle plays the demonstrations; null: `env.name`."""
     env_args: Optional[dict[str, Any]] = None
-    """Constructor arguments of that environment; null: `rl.env_args`."""
+    """Constructor arguments of that environment; null: `env.args`."""
     model_dir: Optional[str] = None
     """Hugging Face model directory (with a chat-template tokenizer) to start from; null builds a
     random model from the `model:` section (`k3rl init`) into the run directory's `init/`."""
@@ -309,8 +309,8 @@ class SFTConfig:
     logprob_chunk_size: int = 1024
     """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
     eval_tasks: int = 0
-    """Held-out tasks (`env.tasks(eval_tasks, seed=rl.eval_seed)` minus training tasks) rolled out
-    greedily after training: success (rl/evaluate.py, the environment's rule or `rl.success_key`), well-formed
+    """Held-out tasks (`env.tasks(eval_tasks, seed=eval.seed)` minus training tasks) rolled out
+    greedily after training: success (rl/evaluate.py, the environment's rule or `env.success_key`), well-formed
     tool calls; 0 skips."""
 
 
@@ -414,7 +414,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
 def _reset(cfg: DictConfig, key: str, schema: type) -> DictConfig:
     """`~dotted.key`: a schema field goes back to its default (a dict field is emptied, so the
     overrides after it build a new one instead of merging into the recipe's); an entry of a free-form
-    dict (`~rl.env_args.length`) is removed."""
+    dict (`~env.args.length`) is removed."""
     if not key or any(not part.isidentifier() for part in key.split(".")):
         raise ConfigError(f"override '~{key}' is not of the form ~dotted.key")
     if key in MOVED_KEYS:

@@ -5,7 +5,7 @@
     python bench/quickstart_seeds.py --seeds 0 --path native avx2 generic -- rl.steps=10
 
 A seed changes the initial weights, the SFT data order and teacher draw, and the sampling; the
-held-out tasks stay the same (`rl.eval_seed`). A code path changes the floating-point rounding of
+held-out tasks stay the same (`eval.seed`). A code path changes the floating-point rounding of
 the CPU kernels, which a tiny model trained at a high learning rate can amplify into a different
 outcome (issue 11):
 

@@ -11,7 +11,7 @@ A config names an environment in one of three ways (``resolve`` turns each into 
   where the package is installed.
 * ``module.path:ClassName``: a class (or factory) in the user's own module. The module is
   imported as Python would, and also from the current directory (as ``python -m`` does), so
-  ``rl.env=guess_env:Guess`` works beside ``guess_env.py``. ``user_module_path`` tells the
+  ``env.name=guess_env:Guess`` works beside ``guess_env.py``. ``user_module_path`` tells the
   driver which file or package to ship to Ray workers (rl/cluster.py) so that they import it too.
 """
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,73 +57,106 @@ class RayConfig:
     installed packages is added to `py_modules` by the driver."""
 
 
+# Choices are string enums: a value outside them fails at config time, naming the valid ones, and every
+# member compares (and prints) as its string, so code reads `rl.mode == "async"`. Member names are the
+# strings users write (OmegaConf matches by name), hence the functional form where one is a keyword.
+Mode = StrEnum("Mode", {"sync": "sync", "async": "async"})
+"""How rollouts and training interleave: `sync` (workers and learner take turns) or `async` (rollouts
+continue while the learner trains, bounded by `rl.max_staleness`)."""
+EngineName = StrEnum("EngineName", {"torch": "torch", "vllm": "vllm"})
+"""The rollout engine: `torch` (k3rl's own, rollout/torch_engine.py) or `vllm` (rollout/vllm_engine.py)."""
+BadRows = StrEnum("BadRows", {"refuse": "refuse", "skip": "skip"})
+"""A task-file row that is not JSON or not a task of the environment: refused or skipped."""
+Optimizer = StrEnum("Optimizer", {"adamw": "adamw", "muon": "muon"})
+"""The learner's optimizer (rl/optim.py)."""
+DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "float64")})
+"""The learner's parameter dtype."""
+
+
 @dataclass
 class RLConfig:
-    """The policy-gradient job: algorithm, optimiser, rollout shape and schedule."""
+    """The schedule of the policy-gradient job: how many steps of how many samples, sync or async, where
+    the initial policy is, checkpoints. The algorithm is in `algo:`, the rollouts in `rollout:`, the tasks
+    in `env:`, held-out evaluation in `eval:`, the optimizer in `learner:`."""
 
-    algo: str = "grpo"
-    """Name of an algorithm in `rl/algos/` (advantage + token-level loss)."""
-    algo_args: dict[str, Any] = field(default_factory=dict)
-    """Settings of that algorithm (clip bounds, KL, truncated IS…); its config checks the keys."""
-    engine: str = "torch"
-    """Rollout engine: `torch` (k3rl's own, the CPU default) or `vllm`."""
-    env: str = "search"
-    """The environment: a registered name (`k3rl envs`), a `k3rl.envs` entry point of an installed package,
-    or `module.path:ClassName` of the user's own (importable, or in the current directory)."""
     steps: int = 20
     tasks_per_step: int = 8
+    """Tasks (groups) per optimizer step."""
     group_size: int = 4
     """Samples per task; group-relative algorithms normalise within a group."""
+    mode: Mode = Mode["sync"]
+    """`sync` or `async` (rollouts continue while the learner trains)."""
+    max_staleness: int = 1
+    """Async mode: the most policy versions a trained token may lag behind the learner."""
+    num_learners: int = 1
+    """Data-parallel learner ranks (Ray actors)."""
+    learner_num_cpus: float = 1.0
+    """Ray CPUs per learner rank."""
+    learner_num_gpus: float = 0.0
+    """Ray GPUs per learner rank (run.device=cuda)."""
+    save_every: int = 10
+    """Checkpoint every this many steps (and after the last)."""
+    resume: bool = False
+    """Continue the run in `run.output_dir/run.name` from its newest complete checkpoint."""
+    model_path: Optional[str] = None
+    """Hugging Face directory of the initial policy (`k3rl init`, an SFT output, any HF causal LM)."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept in `<run_dir>/checkpoints` (older ones are deleted)."""
+
+
+@dataclass
+class AlgoSection:
+    """The training objective the learner optimises (rl/algos/)."""
+
+    name: str = "grpo"
+    """Name of an objective in `rl/algos/`: grpo, dr_grpo, rloo, ppo, gspo, cispo, or nll (supervised)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Settings of that objective (clip bounds, KL, truncated IS…); its config checks the keys."""
+
+
+@dataclass
+class RolloutConfig:
+    """How trajectories are sampled: the engine, the sampling, the episode limits, the workers."""
+
+    engine: EngineName = EngineName["torch"]
+    """`torch` (k3rl's own, the CPU default) or `vllm`."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128
     """Sampled tokens per turn."""
     max_turns: int = 4
-    mode: str = "sync"
-    """`sync` or `async` (rollouts continue while the learner trains)."""
-    max_staleness: int = 1
-    """Async mode: the most policy versions a trained token may lag behind the learner."""
-    num_rollout_workers: int = 1
-    num_learners: int = 1
-    eval_every: int = 10
-    save_every: int = 10
-    resume: bool = False
-    model_path: Optional[str] = None
-    """Hugging Face directory of the initial policy (`k3rl init`, an SFT output, any HF causal LM)."""
-    env_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment (`envs.make(rl.env, **env_args)`), e.g. `corpus: null`."""
+    """Model turns per episode (the environment's own budget may be lower)."""
+    max_context_tokens: int = 4096
+    """Longest episode (prompt + every turn) in tokens."""
+    num_workers: int = 1
+    """Rollout actors (Ray), each with its own engine."""
+    num_cpus: float = 1.0
+    """Ray CPUs per rollout worker."""
+    num_gpus: float = 0.0
+    """Ray GPUs per rollout worker (run.device=cuda)."""
+    max_restarts: int = 10
+    """Rollout actors replaced after dying, over the whole run, before the run gives up."""
+
+
+@dataclass
+class EnvSection:
+    """The environment and the tasks it is trained on."""
+
+    name: str = "search"
+    """A registered name (`k3rl envs`), a `k3rl.envs` entry point of an installed package, or
+    `module.path:ClassName` of the user's own (importable, or in the current directory)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment (`envs.make(env.name, **env.args)`), e.g. `corpus: null`."""
     tasks_path: Optional[str] = None
     """JSONL file of training tasks (one JSON task per line); null: `env.tasks(num_tasks, seed=run.seed)`."""
-    bad_task_rows: str = "refuse"
-    """A row of `tasks_path`/`eval_tasks_path` that is not JSON or not a task of the environment: `refuse`
-    (a named error before anything runs) or `skip` (left out; the count and the first rows are printed)."""
     num_tasks: int = 256
     """Training tasks drawn from the environment when `tasks_path` is null."""
-    eval_tasks_path: Optional[str] = None
-    """JSONL file of held-out tasks; null: `env.tasks(eval_tasks, seed=eval_seed)`."""
-    eval_tasks: int = 32
-    """Held-out tasks drawn from the environment when `eval_tasks_path` is null."""
-    eval_seed: int = 1_000_003
-    """Seed of the held-out tasks (distinct from run.seed); tasks equal to a training task are removed."""
-    eval_temperature: float = 0.0
-    """Sampling temperature of evaluation (0: greedy)."""
+    bad_task_rows: BadRows = BadRows["refuse"]
+    """A row of `env.tasks_path`/`eval.tasks_path` that is not JSON or not a task of the environment: `refuse`
+    (a named error before anything runs) or `skip` (left out; the count and the first rows are printed)."""
     success_key: Optional[str] = None
     """Reward component (`Trajectory.rewards`) that marks success when ≥ 1; null: the environment's own rule
     (`Env.success_metric`, e.g. `em`; none declared: reward ≥ 1). See rl/evaluate.py."""
-    max_context_tokens: int = 4096
-    """Longest episode (prompt + every turn) in tokens."""
-    rollout_num_cpus: float = 1.0
-    """Ray CPUs per rollout worker."""
-    rollout_num_gpus: float = 0.0
-    """Ray GPUs per rollout worker (run.device=cuda)."""
-    learner_num_cpus: float = 1.0
-    """Ray CPUs per learner rank."""
-    learner_num_gpus: float = 0.0
-    """Ray GPUs per learner rank (run.device=cuda)."""
-    keep_checkpoints: int = 3
-    """Complete checkpoints kept in `<run_dir>/checkpoints` (older ones are deleted)."""
-    max_worker_restarts: int = 10
-    """Rollout actors replaced after dying, over the whole run, before the run gives up."""
 
 
 @dataclass
@@ -140,7 +174,7 @@ class LearnerSettings:
     """AdamW β₂."""
     adam_eps: float = 1e-8
     """AdamW ε."""
-    optimizer: str = "adamw"
+    optimizer: Optimizer = Optimizer["adamw"]
     """`adamw`, or `muon`: torch.optim.Muon on the 2-D hidden matrices (not embeddings, LM head, or
     [1, d] vectors) with `adjust_lr_fn="match_rms_adamw"` so `lr` means the same, AdamW on the rest."""
     muon_momentum: float = 0.95
@@ -159,14 +193,26 @@ class LearnerSettings:
     """Reference policy for the KL term (algo_args.kl_coef > 0); null: the initial policy."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward (less memory, about a third more compute)."""
-    dtype: str = "float32"
+    dtype: DType = DType["float32"]
     """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
     parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
 
 
 # Keys that moved to another section: a recipe or override that still uses one is told where it went.
-MOVED_KEYS = {"rl.lr": "learner.lr", "rl.weight_decay": "learner.weight_decay",
-              "rl.max_grad_norm": "learner.max_grad_norm"}
+MOVED_KEYS = {
+    "rl.lr": "learner.lr", "rl.weight_decay": "learner.weight_decay", "rl.max_grad_norm": "learner.max_grad_norm",
+    "rl.algo": "algo.name", "rl.algo_args": "algo.args",
+    "rl.engine": "rollout.engine", "rl.temperature": "rollout.temperature", "rl.top_p": "rollout.top_p",
+    "rl.max_new_tokens": "rollout.max_new_tokens", "rl.max_turns": "rollout.max_turns",
+    "rl.max_context_tokens": "rollout.max_context_tokens", "rl.num_rollout_workers": "rollout.num_workers",
+    "rl.rollout_num_cpus": "rollout.num_cpus", "rl.rollout_num_gpus": "rollout.num_gpus",
+    "rl.max_worker_restarts": "rollout.max_restarts",
+    "rl.env": "env.name", "rl.env_args": "env.args", "rl.tasks_path": "env.tasks_path",
+    "rl.num_tasks": "env.num_tasks", "rl.bad_task_rows": "env.bad_task_rows", "rl.success_key": "env.success_key",
+    "rl.eval_every": "eval.every", "rl.eval_tasks_path": "eval.tasks_path", "rl.eval_tasks": "eval.num_tasks",
+    "rl.eval_seed": "eval.seed", "rl.eval_temperature": "eval.temperature", "eval.tasks": "eval.families",
+}
+"""Keys of earlier recipes and where they live now: using one is an error that names the new place."""
 
 
 @dataclass
@@ -193,14 +239,25 @@ class PretrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Long-context evidence-retrieval evaluation."""
+    """Evaluation: the trainer's held-out evaluation (`every`, `tasks_path`, `num_tasks`, `seed`,
+    `temperature`) and the long-context evidence-retrieval settings (`families`, `context_lengths`, `serve`)."""
 
-    tasks: list[str] = field(default_factory=lambda: ["needle", "multihop"])
+    every: int = 10
+    """Evaluate every this many steps (also before the first and after the last); 0: never."""
+    tasks_path: Optional[str] = None
+    """JSONL file of held-out tasks; null: `env.tasks(num_tasks, seed=seed)`."""
+    num_tasks: int = 32
+    """Held-out tasks drawn from the environment when `tasks_path` is null."""
+    seed: int = 1_000_003
+    """Seed of the held-out tasks (distinct from run.seed); tasks equal to a training task are removed."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0: greedy)."""
+    families: list[str] = field(default_factory=lambda: ["needle", "multihop"])
+    """Long-context task families to evaluate."""
     context_lengths: list[int] = field(default_factory=lambda: [4096])
-    num_tasks: int = 50
+    """Haystack lengths (tokens) of the long-context evaluation."""
     serve: str = "context"
     """`context` (haystack in the prompt) or `search` (haystack behind the search tool)."""
-    seed: int = 1234
 
 
 @dataclass
@@ -210,9 +267,9 @@ class SFTConfig:
     demonstration is one the rollouts that follow could have produced; longer ones are dropped."""
 
     env: Optional[str] = None
-    """Registered environment whose oracle plays the demonstrations; null: `rl.env`."""
+    """Registered environment whose oracle plays the demonstrations; null: `env.name`."""
     env_args: Optional[dict[str, Any]] = None
-    """Constructor arguments of that environment; null: `rl.env_args`."""
+    """Constructor arguments of that environment; null: `env.args`."""
     model_dir: Optional[str] = None
     """Hugging Face model directory (with a chat-template tokenizer) to start from; null builds a
     random model from the `model:` section (`k3rl init`) into the run directory's `init/`."""
@@ -252,8 +309,8 @@ class SFTConfig:
     logprob_chunk_size: int = 1024
     """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
     eval_tasks: int = 0
-    """Held-out tasks (`env.tasks(eval_tasks, seed=rl.eval_seed)` minus training tasks) rolled out
-    greedily after training: success (rl/evaluate.py, the environment's rule or `rl.success_key`), well-formed
+    """Held-out tasks (`env.tasks(eval_tasks, seed=eval.seed)` minus training tasks) rolled out
+    greedily after training: success (rl/evaluate.py, the environment's rule or `env.success_key`), well-formed
     tool calls; 0 skips."""
 
 
@@ -265,6 +322,9 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvSection = field(default_factory=EnvSection)
     learner: LearnerSettings = field(default_factory=LearnerSettings)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -354,7 +414,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
 def _reset(cfg: DictConfig, key: str, schema: type) -> DictConfig:
     """`~dotted.key`: a schema field goes back to its default (a dict field is emptied, so the
     overrides after it build a new one instead of merging into the recipe's); an entry of a free-form
-    dict (`~rl.env_args.length`) is removed."""
+    dict (`~env.args.length`) is removed."""
     if not key or any(not part.isidentifier() for part in key.split(".")):
         raise ConfigError(f"override '~{key}' is not of the form ~dotted.key")
     if key in MOVED_KEYS:
@@ -451,6 +511,8 @@ def _expected_type(schema: type, full_key: str) -> str:
         if not dataclasses.is_dataclass(tp):
             break
         tp = _schema_fields(tp).get(part, Any)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "one of " + ", ".join(m.value for m in tp)
     return getattr(tp, "__name__", str(tp)) if not typing.get_args(tp) else str(tp).replace("typing.", "")
 
 

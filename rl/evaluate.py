@@ -6,7 +6,7 @@ rl/trainer.py), SFT's held-out check and the quickstart score with `score`, so "
 the same everywhere. The rule is declared by the environment (`Env.success_metric`, e.g. `em`
 for the search and long-context environments): an episode succeeds when that reward component
 is ≥ 1, or, for an environment that declares none (or an episode that does not report it), when
-its reward is ≥ 1. `rl.success_key` overrides it for a job.
+its reward is ≥ 1. `env.success_key` overrides it for a job.
 
 Intervals: Wilson for the success rate (rl/metrics.py), and mean ± 1.96 standard errors for each
 reward component (its sample standard deviation over √n; NaN with fewer than two episodes).

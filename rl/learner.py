@@ -56,6 +56,7 @@ L MoE layers, k experts per token, d hidden size, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+from enum import Enum
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,15 +107,15 @@ class LearnerConfig(LearnerSettings):
 
     @classmethod
     def from_job(cls, job: Any, model_path: str | Path, **overrides: Any) -> "LearnerConfig":
-        """From a `JobConfig`: every field of its `learner:` section, the algorithm of `rl:`, seed and device
-        of `run:`; explicit overrides on top."""
+        """From a `JobConfig`: every field of its `learner:` section, the objective of `algo:`, seed and device
+        of `run:`; explicit overrides on top. Enum choices become their plain strings (what Ray ships)."""
         from omegaconf import OmegaConf
 
-        rl = job.rl
         section = job.learner if "learner" in job else LearnerSettings()
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(LearnerSettings)}
-        values.update(model_path=str(model_path), algo=rl.algo, algo_args=OmegaConf.to_container(rl.algo_args)
-                      if OmegaConf.is_config(rl.algo_args) else dict(rl.algo_args), seed=job.run.seed,
+        values = {k: str(v) if isinstance(v, Enum) else v for k, v in values.items()}
+        values.update(model_path=str(model_path), algo=job.algo.name, algo_args=OmegaConf.to_container(job.algo.args)
+                      if OmegaConf.is_config(job.algo.args) else dict(job.algo.args), seed=job.run.seed,
                       device=job.run.device)
         return cls(**{**values, **overrides})
 

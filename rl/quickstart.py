@@ -4,7 +4,7 @@ that measurably learns, on the CPU in minutes.
 1. **init**: a random tiny K3 and its byte-level BPE tokenizer (`k3rl init`, the `model:` section).
 2. **sft**: a supervised warm start on demonstrations of the search environment (`k3rl sft`, the
    `sft:` section) — it teaches the tool protocol, the task, and (on purpose, see below) a bad habit.
-3. **rl**: GRPO (`rl.algo`) with the native engine on a local Ray cluster (`k3rl train`, the `rl:`
+3. **rl**: GRPO (`algo.name`) with the native engine on a local Ray cluster (`k3rl train`, the `rl:`
    section). The trainer evaluates the held-out tasks greedily at step 0 — the SFT policy, i.e.
    *before RL* — and after its last step, on the same tasks through the same workers.
 4. **report**: success before and after RL with 95% Wilson intervals, the difference with its
@@ -226,7 +226,7 @@ def advice_lines(result: dict[str, Any]) -> list[str]:
         out.append(f"training collapsed at step {x['step']} (reward {x['reward']:.3f}, best before "
                    f"{x['best_reward_before']:.3f}; {_share(x['zero_variance_frac'])} of the groups scored all "
                    f"samples alike): try a smaller step, e.g. learner.lr=5e-5, or a stronger anchor, "
-                   f"rl.algo_args.kl_coef=0.2")
+                   f"algo.args.kl_coef=0.2")
     if not out:
         out.append("no collapse: try more steps (rl.steps=2×) or another seed (run.seed=1); "
                    "`python bench/quickstart_seeds.py` measures how often the recipe improves")
@@ -265,17 +265,17 @@ def run_quickstart(cfg: Any) -> Path:
     from rl.sft import init_model, run_sft
     from rl.trainer import Trainer
 
-    sft, rl = cfg.sft, cfg.rl
-    if (sft.env or rl.env) != rl.env or (sft.env_args is not None and sft.env_args != rl.env_args):
+    sft = cfg.sft
+    if (sft.env or cfg.env.name) != cfg.env.name or (sft.env_args is not None and sft.env_args != cfg.env.args):
         raise ConfigError("sft.env / sft.env_args: the quickstart warms up on the environment RL trains on; "
                           "leave them null")
-    if (sft.task_seed if sft.task_seed is not None else cfg.run.seed) != cfg.run.seed or sft.num_tasks > rl.num_tasks:
-        raise ConfigError(f"sft.num_tasks ({sft.num_tasks}) must be ≤ rl.num_tasks ({rl.num_tasks}) with "
+    if (sft.task_seed if sft.task_seed is not None else cfg.run.seed) != cfg.run.seed or sft.num_tasks > cfg.env.num_tasks:
+        raise ConfigError(f"sft.num_tasks ({sft.num_tasks}) must be ≤ env.num_tasks ({cfg.env.num_tasks}) with "
                           f"sft.task_seed null: the SFT tasks are then RL training tasks, and every held-out task "
                           f"is new to both")
-    if rl.eval_tasks <= 0 and not rl.eval_tasks_path:
-        raise ConfigError("rl.eval_tasks: the quickstart compares held-out success before and after RL; "
-                          f"set rl.eval_tasks > 0 (or rl.eval_tasks_path), got {rl.eval_tasks}")
+    if cfg.eval.num_tasks <= 0 and not cfg.eval.tasks_path:
+        raise ConfigError("eval.num_tasks: the quickstart compares held-out success before and after RL; "
+                          f"set eval.num_tasks > 0 (or eval.tasks_path), got {cfg.eval.num_tasks}")
     started = time.perf_counter()
     run_dir = _fresh_dir(Path(cfg.run.output_dir), cfg.run.name)
     run_dir.mkdir(parents=True)
@@ -297,8 +297,8 @@ def run_quickstart(cfg: Any) -> Path:
     OmegaConf.update(rl_cfg, "run.output_dir", str(run_dir))
     OmegaConf.update(rl_cfg, "run.name", "rl")
     OmegaConf.update(rl_cfg, "rl.model_path", str(sft_model))
-    if rl_cfg.rl.eval_every <= 0 or rl_cfg.rl.eval_every > rl_cfg.rl.steps:
-        OmegaConf.update(rl_cfg, "rl.eval_every", rl_cfg.rl.steps)
+    if rl_cfg.eval.every <= 0 or rl_cfg.eval.every > rl_cfg.rl.steps:
+        OmegaConf.update(rl_cfg, "eval.every", rl_cfg.rl.steps)
     trainer = Trainer(rl_cfg)
     rl_dir = trainer.train()
 

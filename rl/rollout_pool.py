@@ -129,7 +129,7 @@ class RolloutPool:
         """Swap a dead actor for a new one holding the current weights."""
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            raise RuntimeError(f"rollout workers died {self.restarts} times (rl.max_worker_restarts="
+            raise RuntimeError(f"rollout workers died {self.restarts} times (rollout.max_restarts="
                                f"{self.max_restarts}); last error: {error}") from error
         self.log(f"[yellow]rollout worker died ({type(error).__name__}); starting a replacement")
         ray.kill(slot.actor, no_restart=True)

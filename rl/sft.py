@@ -68,8 +68,8 @@ def _resolved(cfg) -> tuple[str, dict[str, Any], int]:
     from omegaconf import OmegaConf
 
     sft = cfg.sft
-    env_args = sft.env_args if sft.env_args is not None else cfg.rl.env_args
-    return (sft.env if sft.env is not None else cfg.rl.env, OmegaConf.to_container(env_args, resolve=True) or {},
+    env_args = sft.env_args if sft.env_args is not None else cfg.env.args
+    return (sft.env if sft.env is not None else cfg.env.name, OmegaConf.to_container(env_args, resolve=True) or {},
             sft.task_seed if sft.task_seed is not None else cfg.run.seed)
 
 
@@ -82,7 +82,7 @@ def _check(cfg) -> None:
     try:
         resolve(env_name)
     except UnknownEnvironment as e:
-        raise ConfigError(f"{'sft.env' if sft.env is not None else 'rl.env'}: {e}") from None
+        raise ConfigError(f"{'sft.env' if sft.env is not None else 'cfg.env.name'}: {e}") from None
     if sft.model_dir is not None:
         path = Path(sft.model_dir)
         if not path.is_dir():
@@ -116,7 +116,7 @@ def run_sft(cfg) -> Path:
 
     _check(cfg)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    sft, run, rl = cfg.sft, cfg.run, cfg.rl
+    sft, run = cfg.sft, cfg.run
     env_name, env_kwargs, task_seed = _resolved(cfg)
     run_dir = Path(run.output_dir) / run.name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,12 +128,12 @@ def run_sft(cfg) -> Path:
         raise ConfigError(f"sft.model_dir: the tokenizer in {model_dir} has no chat template")
 
     env = envs.make(env_name, **env_kwargs)
-    train_tasks = make_tasks(env, sft.num_tasks, task_seed, "sft.num_tasks / rl.env_args")
+    train_tasks = make_tasks(env, sft.num_tasks, task_seed, "sft.num_tasks / env.args")
     started = time.perf_counter()
     try:
         report = collect_demonstrations(env_name, sft.num_tasks, task_seed, tokenizer, env_kwargs, tasks=train_tasks,
-                                        min_reward=sft.min_reward, max_length=rl.max_context_tokens,
-                                        max_turn_tokens=rl.max_new_tokens, max_turns=rl.max_turns,
+                                        min_reward=sft.min_reward, max_length=cfg.rollout.max_context_tokens,
+                                        max_turn_tokens=cfg.rollout.max_new_tokens, max_turns=cfg.rollout.max_turns,
                                         closed_book_rate=sft.closed_book_rate, hedging_rate=sft.hedging_rate,
                                         hedge=sft.hedge, teacher_seed=task_seed)
     except NotImplementedError as e:
@@ -142,7 +142,7 @@ def run_sft(cfg) -> Path:
     (run_dir / "demos.json").write_text(json.dumps(report.summary(), indent=1))
     if not report.rows:
         raise ConfigError(f"sft: no demonstration kept out of {report.tasks} tasks ({report.dropped}); check "
-                          f"sft.min_reward, rl.max_context_tokens and rl.max_new_tokens")
+                          f"sft.min_reward, rollout.max_context_tokens and rollout.max_new_tokens")
 
     from datasets import Dataset
     from torch.utils.tensorboard import SummaryWriter
@@ -163,14 +163,14 @@ def run_sft(cfg) -> Path:
     plot_loss(history, run_dir / "loss.png")
     if sft.eval_tasks > 0:
         held_out, dropped = remove_training_tasks(
-            make_tasks(env, sft.eval_tasks, rl.eval_seed, "sft.eval_tasks / rl.env_args"), train_tasks)
+            make_tasks(env, sft.eval_tasks, cfg.eval.seed, "sft.eval_tasks / env.args"), train_tasks)
         if dropped:
             print(dropped, flush=True)
         from rl.evaluate import evaluate_greedy
 
         result = evaluate_greedy(trainer.model, tokenizer, env_name, held_out, env_kwargs,
-                                 max_new_tokens=rl.max_new_tokens, max_turns=rl.max_turns,
-                                 max_context_tokens=rl.max_context_tokens, success_key=rl.success_key,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, max_turns=cfg.rollout.max_turns,
+                                 max_context_tokens=cfg.rollout.max_context_tokens, success_key=cfg.env.success_key,
                                  device=run.device)
         (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
         lo, hi = result["success_ci95"]

@@ -1,9 +1,9 @@
 """The RL driver (`k3rl train CONFIG [key=value…]`): rollout workers → buffer → learner → weights back.
 
 `Trainer(cfg)` runs on the Ray driver. It starts (or joins, `ray.address=auto`) a Ray cluster,
-creates `rl.num_rollout_workers` rollout actors (engine `rl.engine`) and a `LearnerGroup` of
+creates `rollout.num_workers` rollout actors (engine `rollout.engine`) and a `LearnerGroup` of
 `rl.num_learners` ranks, and runs `rl.steps` steps. It never looks inside an algorithm: the
-learner computes advantages and losses (`rl.algo`); the driver moves trajectories and weights.
+learner computes advantages and losses (`algo.name`); the driver moves trajectories and weights.
 
 One step:
 1. collect until the buffer holds `rl.tasks_per_step` groups (`rl.group_size` samples per task)
@@ -12,8 +12,8 @@ One step:
 2. `learner.train_step` on those groups (the version goes up by one unless the learner skipped the
    step on a non-finite loss or gradient);
 3. push the new weights to every engine with the version number;
-4. evaluate every `rl.eval_every` steps (also before the first and after the last) on held-out
-   tasks, at `rl.eval_temperature`, and report the success rate with a 95% Wilson interval;
+4. evaluate every `eval.every` steps (also before the first and after the last) on held-out
+   tasks, at `eval.temperature`, and report the success rate with a 95% Wilson interval;
 5. log (console, TensorBoard, metrics.jsonl), then checkpoint every `rl.save_every` steps (and
    after the last).
 
@@ -34,7 +34,7 @@ the run stops (`WeightSyncError`) rather than train on tokens from unknown weigh
 
 Failures (rl/rollout_pool.py owns the actors). A rollout actor that dies (`RayActorError` from a collection or a weight push) is
 replaced by a new actor that first receives the current weights; its tasks are collected again
-(an eval chunk is re-run). `workers/restarts` counts replacements; `rl.max_worker_restarts`
+(an eval chunk is re-run). `workers/restarts` counts replacements; `rollout.max_restarts`
 bounds them. A learner failure ends the run; `rl.resume=true` continues from the last checkpoint.
 
 Zero-variance groups (every sample of a task scored the same, so a group-relative advantage is 0)
@@ -64,9 +64,9 @@ numeric reward component the environment reports with `_ci_low/_ci_high`. Callba
 held-out evaluation also writes its episodes as text to `eval/step_NNNN.jsonl` (`rl/transcripts.py`).
 
 `rl.model_path` is the initial policy (an HF directory: `k3rl init`, an SFT output, or any HF
-causal LM). Training tasks are `env.tasks(rl.num_tasks, seed=run.seed)` or the JSONL file
-`rl.tasks_path`; held-out tasks are `env.tasks(rl.eval_tasks, seed=rl.eval_seed)` or
-`rl.eval_tasks_path`, minus any task that is also a training task.
+causal LM). Training tasks are `env.tasks(env.num_tasks, seed=run.seed)` or the JSONL file
+`env.tasks_path`; held-out tasks are `env.tasks(eval.num_tasks, seed=eval.seed)` or
+`eval.tasks_path`, minus any task that is also a training task.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
             tasks.append(task)
             continue
         if bad_rows == "refuse":
-            raise ConfigError(problem + " (rl.bad_task_rows=skip leaves such rows out)")
+            raise ConfigError(problem + " (env.bad_task_rows=skip leaves such rows out)")
         if skipped is not None:
             skipped.append(problem)
     return tasks
@@ -187,24 +187,24 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)
 
-        self.env_args = OmegaConf.to_container(rl.env_args, resolve=True) if OmegaConf.is_config(rl.env_args) \
-            else dict(rl.env_args)
+        ro, en = cfg.rollout, cfg.env
+        self.env_args = OmegaConf.to_container(en.args, resolve=True) if OmegaConf.is_config(en.args) else dict(en.args)
         try:
-            env = envs.make(rl.env, **self.env_args)
-        except TypeError as e:  # an argument the environment does not take (`rl.env_args.lenght`)
-            raise ConfigError(f"rl.env_args: environment {rl.env!r} does not take these arguments ({e})") from None
-        self.success_key = success_rule(env, rl.success_key)
+            env = envs.make(en.name, **self.env_args)
+        except TypeError as e:  # an argument the environment does not take (`env.args.lenght`)
+            raise ConfigError(f"env.args: environment {en.name!r} does not take these arguments ({e})") from None
+        self.success_key = success_rule(env, en.success_key)
         """The reward component whose value ≥ 1 is a success (None: reward ≥ 1), rl/evaluate.py."""
         self.train_tasks, self.eval_tasks = self._load_tasks(env)
         self.max_staleness = rl.max_staleness if rl.mode == "async" else 0
-        self.chunk_tasks = math.ceil(rl.tasks_per_step / rl.num_rollout_workers)
+        self.chunk_tasks = math.ceil(rl.tasks_per_step / ro.num_workers)
         self.spec = WorkerSpec(
-            model_dir=str(rl.model_path), env=rl.env, engine=rl.engine, env_kwargs=self.env_args,
-            sampling=SamplingParams(temperature=rl.temperature, top_p=rl.top_p, max_tokens=rl.max_new_tokens),
-            max_context_tokens=rl.max_context_tokens, budget=with_budget(env.budget, max_turns=rl.max_turns),
+            model_dir=str(rl.model_path), env=en.name, engine=str(ro.engine), env_kwargs=self.env_args,
+            sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_new_tokens),
+            max_context_tokens=ro.max_context_tokens, budget=with_budget(env.budget, max_turns=ro.max_turns),
             seed=cfg.run.seed, device=cfg.run.device)
-        self.eval_sampling = SamplingParams(temperature=rl.eval_temperature, top_p=1.0,
-                                            max_tokens=rl.max_new_tokens, seed=cfg.run.seed)
+        self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=1.0,
+                                            max_tokens=ro.max_new_tokens, seed=cfg.run.seed)
 
         self.step = 0
         self.version = 0
@@ -231,8 +231,8 @@ class Trainer:
             worker_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
         self.learner = None
         self.logger: Optional[MetricsLogger] = None
-        self.pool = RolloutPool(self.spec, rl.num_rollout_workers, rl.rollout_num_cpus, rl.rollout_num_gpus,
-                                max_restarts=rl.max_worker_restarts, runtime_env=worker_env,
+        self.pool = RolloutPool(self.spec, ro.num_workers, ro.num_cpus, ro.num_gpus,
+                                max_restarts=ro.max_restarts, runtime_env=worker_env,
                                 log=lambda line: self.logger.print(line) if self.logger is not None else None)
         try:
             self._check_resources()
@@ -261,39 +261,38 @@ class Trainer:
             self.logger.print(f"[yellow]{self._dropped_line}")
         if self.skipped_rows:
             shown = "; ".join(self.skipped_rows[:3]) + ("; …" if len(self.skipped_rows) > 3 else "")
-            self.logger.print(f"[yellow]skipped {len(self.skipped_rows)} bad task row(s) (rl.bad_task_rows=skip): {shown}")
-        if rl.eval_every > 0 and not self.eval_tasks:
+            self.logger.print(f"[yellow]skipped {len(self.skipped_rows)} bad task row(s) (env.bad_task_rows=skip): {shown}")
+        if self.cfg.eval.every > 0 and not self.eval_tasks:
             self.logger.print("[yellow]no held-out tasks left after removing training tasks: evaluation is off")
 
     def _check_resources(self) -> None:
         """The learner ranks and rollout workers all live at once: a cluster too small for them would
         leave an actor pending forever, so say which keys ask for what instead."""
         rl, have = self.rl, ray.cluster_resources()
-        for kind, learner, rollout in (("CPU", rl.learner_num_cpus, rl.rollout_num_cpus),
-                                       ("GPU", rl.learner_num_gpus, rl.rollout_num_gpus)):
-            need = rl.num_learners * learner + rl.num_rollout_workers * rollout
+        for kind, learner, rollout in (("CPU", rl.learner_num_cpus, self.cfg.rollout.num_cpus),
+                                       ("GPU", rl.learner_num_gpus, self.cfg.rollout.num_gpus)):
+            need = rl.num_learners * learner + self.cfg.rollout.num_workers * rollout
             if need > have.get(kind, 0.0) + 1e-9:
                 key = "num_cpus" if kind == "CPU" else "num_gpus"
                 raise ConfigError(
-                    f"rl.num_learners × rl.learner_{key} + rl.num_rollout_workers × rl.rollout_{key} = "
-                    f"{rl.num_learners} × {learner:g} + {rl.num_rollout_workers} × {rollout:g} = {need:g} {kind}s, "
+                    f"rl.num_learners × rl.learner_{key} + rollout.num_workers × rollout.{key} = "
+                    f"{rl.num_learners} × {learner:g} + {self.cfg.rollout.num_workers} × {rollout:g} = {need:g} {kind}s, "
                     f"but the Ray cluster has {have.get(kind, 0.0):g} (ray.num_cpus / ray.address)")
 
     def _check_config(self) -> None:
-        rl = self.rl
-        if rl.mode not in ("sync", "async"):
-            raise ConfigError(f"rl.mode: {rl.mode!r} is not one of sync, async")
-        if rl.bad_task_rows not in BAD_ROW_POLICIES:
-            raise ConfigError(f"rl.bad_task_rows: {rl.bad_task_rows!r} is not one of {', '.join(BAD_ROW_POLICIES)}")
+        from omegaconf import OmegaConf
+
+        rl = self.rl  # choices (rl.mode, rollout.engine, env.bad_task_rows, …) are enums checked by the loader
         if not rl.model_path:
             raise ConfigError("rl.model_path: set the initial policy's HF directory (`k3rl init`, `k3rl sft`, …)")
-        positive = ("steps", "tasks_per_step", "group_size", "num_rollout_workers", "num_learners", "keep_checkpoints")
-        for name in positive:
-            if getattr(rl, name) < 1:
-                raise ConfigError(f"rl.{name}: must be ≥ 1, got {getattr(rl, name)}")
-        for name in ("max_staleness", "eval_every", "save_every", "max_worker_restarts"):
-            if getattr(rl, name) < 0:
-                raise ConfigError(f"rl.{name}: must be ≥ 0, got {getattr(rl, name)}")
+        positive = ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.num_learners",
+                    "rl.keep_checkpoints")
+        for key in positive:
+            if OmegaConf.select(self.cfg, key) < 1:
+                raise ConfigError(f"{key}: must be ≥ 1, got {OmegaConf.select(self.cfg, key)}")
+        for key in ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts"):
+            if OmegaConf.select(self.cfg, key) < 0:
+                raise ConfigError(f"{key}: must be ≥ 0, got {OmegaConf.select(self.cfg, key)}")
         from envs.registry import UnknownEnvironment, resolve, user_module_path
         from rl.learner import LearnerConfig
 
@@ -304,19 +303,17 @@ class Trainer:
         from rl.algos import get_algo
 
         try:
-            get_algo(rl.algo, **learner_cfg.algo_args)
+            get_algo(self.cfg.algo.name, **learner_cfg.algo_args)
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"rl.algo / rl.algo_args: {e}") from None
-        if rl.engine not in ("torch", "vllm"):
-            raise ConfigError(f"rl.engine: {rl.engine!r} is not one of torch, vllm")
+            raise ConfigError(f"algo.name / algo.args: {e}") from None
 
         try:
-            resolve(rl.env)
-            self._env_modules = [p for p in [user_module_path(rl.env)] if p is not None]
+            resolve(self.cfg.env.name)
+            self._env_modules = [p for p in [user_module_path(self.cfg.env.name)] if p is not None]
         except UnknownEnvironment as e:
-            raise ConfigError(f"rl.env: {e}") from None
-        if str(self.cfg.run.device).startswith("cuda") and (rl.learner_num_gpus <= 0 or rl.rollout_num_gpus <= 0):
-            raise ConfigError("run.device=cuda: set rl.learner_num_gpus and rl.rollout_num_gpus (> 0; fractions share "
+            raise ConfigError(f"env.name: {e}") from None
+        if str(self.cfg.run.device).startswith("cuda") and (rl.learner_num_gpus <= 0 or self.cfg.rollout.num_gpus <= 0):
+            raise ConfigError("run.device=cuda: set rl.learner_num_gpus and rollout.num_gpus (> 0; fractions share "
                               "a GPU) so that Ray gives the actors a GPU")
 
     def _resume_point(self) -> Optional[Path]:
@@ -347,17 +344,17 @@ class Trainer:
         return latest
 
     def _load_tasks(self, env: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-        rl = self.rl
         self._dropped_line: Optional[str] = None
         self.skipped_rows: list[str] = []
-        train = read_tasks(rl.tasks_path, env, rl.bad_task_rows, self.skipped_rows) if rl.tasks_path else \
-            make_tasks(env, rl.num_tasks, self.cfg.run.seed, "rl.num_tasks / rl.env_args")
+        en, ev = self.cfg.env, self.cfg.eval
+        train = read_tasks(en.tasks_path, env, en.bad_task_rows, self.skipped_rows) if en.tasks_path else \
+            make_tasks(env, en.num_tasks, self.cfg.run.seed, "env.num_tasks / env.args")
         if not train:
-            raise ConfigError("no training tasks (rl.tasks_path is empty, or rl.num_tasks is 0)")
+            raise ConfigError("no training tasks (env.tasks_path is empty, or env.num_tasks is 0)")
         held_out = []
-        if rl.eval_every > 0:
-            held_out = read_tasks(rl.eval_tasks_path, env, rl.bad_task_rows, self.skipped_rows) if rl.eval_tasks_path else (
-                make_tasks(env, rl.eval_tasks, rl.eval_seed, "rl.eval_tasks / rl.env_args") if rl.eval_tasks > 0 else [])
+        if ev.every > 0:
+            held_out = read_tasks(ev.tasks_path, env, en.bad_task_rows, self.skipped_rows) if ev.tasks_path else (
+                make_tasks(env, ev.num_tasks, ev.seed, "eval.num_tasks / env.args") if ev.num_tasks > 0 else [])
             held_out, self._dropped_line = remove_training_tasks(held_out, train)
         named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],
                  [(_task_id(t, f"eval-{i}"), t) for i, t in enumerate(held_out)])
@@ -449,7 +446,7 @@ class Trainer:
     def train(self) -> Path:
         """Run the remaining steps; write the plots; release the actors. Returns the run directory."""
         try:
-            if self.step == 0 and self.resumed_from is None and self.rl.eval_every > 0 and self.eval_tasks:
+            if self.step == 0 and self.resumed_from is None and self.cfg.eval.every > 0 and self.eval_tasks:
                 self.logger.log(0, self._evaluate())
             while self.step < self.rl.steps:
                 self._train_step()
@@ -485,7 +482,7 @@ class Trainer:
                         "perf/weight_sync_s": sync_s, "perf/gen_tokens_per_s": self._gen_tokens / elapsed,
                         "perf/train_tokens_per_s": float(learner_metrics.get("train_tokens_per_s", 0.0))})
         last = self.step == rl.steps
-        if self.eval_tasks and rl.eval_every > 0 and (self.step % rl.eval_every == 0 or last):
+        if self.eval_tasks and self.cfg.eval.every > 0 and (self.step % self.cfg.eval.every == 0 or last):
             scalars.update(self._evaluate())
         extra = {k: v for k, v in learner_metrics.items() if isinstance(v, str) and v}
         extra["batch"] = [[g.group_id, len(g), g.min_version] for g in taken.groups]

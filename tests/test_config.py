@@ -31,12 +31,12 @@ def test_tilde_resets_a_key_so_a_dict_can_be_replaced():
     """Overrides merge into a recipe's dicts; `~key` first resets the key (a dict to empty), so switching
     environment on the command line does not keep the old environment's arguments."""
     recipe = ROOT / "configs/rl/quickstart.yaml"
-    merged = load_config(recipe, ["rl.env=search", "rl.env_args.corpus=wiki"])
-    assert "ask" in merged.rl.env_args  # the needle's arguments are still there
-    cfg = load_config(recipe, ["~rl.env_args", "rl.env=search", "rl.env_args.corpus=wiki"])
-    assert OmegaConf.to_container(cfg.rl.env_args) == {"corpus": "wiki"}
-    cfg = load_config(recipe, ["~rl.env_args.length", "~learner.lr", "~sft.hedging_rate"])
-    assert "length" not in cfg.rl.env_args and "ask" in cfg.rl.env_args
+    merged = load_config(recipe, ["env.name=search", "env.args.corpus=wiki"])
+    assert "ask" in merged.env.args  # the needle's arguments are still there
+    cfg = load_config(recipe, ["~env.args", "env.name=search", "env.args.corpus=wiki"])
+    assert OmegaConf.to_container(cfg.env.args) == {"corpus": "wiki"}
+    cfg = load_config(recipe, ["~env.args.length", "~learner.lr", "~sft.hedging_rate"])
+    assert "length" not in cfg.env.args and "ask" in cfg.env.args
     assert cfg.learner.lr == load_config(None).learner.lr != merged.learner.lr and cfg.sft.hedging_rate == 0.0
     with pytest.raises(ConfigError, match="override '~rl.nope': no config key 'rl.nope' to reset"):
         load_config(recipe, ["~rl.nope"])
@@ -115,12 +115,15 @@ def test_invalid_yaml_is_named(tmp_path):
 
 
 def test_interpolation_resolves():
-    cfg = load_config(None, ["run.name=${rl.algo}-run"])
+    cfg = load_config(None, ["run.name=${algo.name}-run"])
     assert cfg.run.name == "grpo-run"
 
 
 @pytest.mark.parametrize("old,new", [("rl.lr", "learner.lr"), ("rl.weight_decay", "learner.weight_decay"),
-                                     ("rl.max_grad_norm", "learner.max_grad_norm")])
+                                     ("rl.max_grad_norm", "learner.max_grad_norm"), ("rl.env", "env.name"),
+                                     ("rl.algo", "algo.name"), ("rl.max_new_tokens", "rollout.max_new_tokens"),
+                                     ("rl.num_rollout_workers", "rollout.num_workers"), ("rl.eval_tasks", "eval.num_tasks"),
+                                     ("rl.eval_every", "eval.every"), ("rl.success_key", "env.success_key")])
 def test_an_old_flat_key_names_its_new_place(tmp_path, old, new):
     with pytest.raises(ConfigError, match=f"config key '{old}' has moved to '{new}'"):
         load_config(None, [f"{old}=0.5"])
@@ -144,7 +147,47 @@ def test_every_learner_setting_reaches_the_learner_config():
               "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6, "muon_momentum": 0.9, "logprob_chunk_size": 7,
               "compute_entropy": True}
     assert set(values) == {f.name for f in dataclasses.fields(LearnerSettings)}
-    job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["rl.algo=ppo", "run.seed=5"])
+    job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"])
     cfg = LearnerConfig.from_job(job, "/policy")
     assert {k: getattr(cfg, k) for k in values} == values
     assert (cfg.model_path, cfg.algo, cfg.seed) == ("/policy", "ppo", 5)
+
+
+def test_every_old_recipe_key_has_a_new_place_in_the_schema():
+    from omegaconf import OmegaConf
+
+    from rl.config import JobConfig, MOVED_KEYS
+
+    defaults = OmegaConf.structured(JobConfig)
+    for old, new in MOVED_KEYS.items():
+        assert OmegaConf.select(defaults, old, default="gone") == "gone", old
+        assert OmegaConf.select(defaults, new, default="gone") != "gone", new
+
+
+def test_an_old_nested_section_in_a_recipe_names_its_new_place(tmp_path):
+    f = tmp_path / "old.yaml"
+    f.write_text("rl:\n  steps: 3\n  env_args:\n    length: 100\n")
+    with pytest.raises(ConfigError, match="old.yaml: config key 'rl.env_args' has moved to 'env.args'"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("key,value,valid", [("rl.mode", "fast", "sync, async"),
+                                             ("rollout.engine", "sglang", "torch, vllm"),
+                                             ("learner.optimizer", "sgd", "adamw, muon"),
+                                             ("learner.dtype", "int8", "float32, bfloat16, float16, float64"),
+                                             ("env.bad_task_rows", "ignore", "refuse, skip")])
+def test_choices_are_enums_checked_at_load(key, value, valid):
+    with pytest.raises(ConfigError, match=f"config key '{key}' got '{value}' \\(str\\), expected one of {valid}"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_enum_choices_read_and_ship_as_plain_strings(tmp_path):
+    """Members compare and print as their strings; the learner config Ray ships holds plain str."""
+    from rl.config import to_yaml
+    from rl.learner import LearnerConfig
+
+    cfg = load_config(None, ["rl.mode=async", "learner.optimizer=muon", "learner.dtype=bfloat16"])
+    assert cfg.rl.mode == "async" and f"{cfg.rl.mode}" == "async"
+    assert "mode: async" in to_yaml(cfg) and "optimizer: muon" in to_yaml(cfg)
+    lc = LearnerConfig.from_job(cfg, tmp_path)
+    assert type(lc.optimizer) is str and lc.optimizer == "muon" and type(lc.dtype) is str and lc.dtype == "bfloat16"

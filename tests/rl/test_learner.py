@@ -113,7 +113,7 @@ def test_steps_raise_rewarded_and_lower_unrewarded_logprobs(tiny_qwen3_dir, qwen
 def test_kl_to_reference_starts_at_zero_and_grows(tiny_qwen3_dir, qwen_batch):
     from rl.config import load_config
 
-    cfg = LearnerConfig.from_job(load_config(None, ["rl.algo=ppo", "learner.lr=1e-3"]), tiny_qwen3_dir,
+    cfg = LearnerConfig.from_job(load_config(None, ["algo.name=ppo", "learner.lr=1e-3"]), tiny_qwen3_dir,
                                  algo_args={"kl_coef": 0.1}, micro_batch_tokens=64)
     assert (cfg.algo, cfg.lr, cfg.model_path) == ("ppo", 1e-3, str(tiny_qwen3_dir))
     learner = Learner(cfg)

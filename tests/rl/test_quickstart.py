@@ -24,9 +24,9 @@ def test_newcombe_interval_matches_the_published_example():
 
 
 def test_bad_quickstart_config_names_the_keys(tmp_path, capsys):
-    assert main([f"run.output_dir={tmp_path}", "sft.num_tasks=200", "rl.num_tasks=100"]) == 2
+    assert main([f"run.output_dir={tmp_path}", "sft.num_tasks=200", "env.num_tasks=100"]) == 2
     err = capsys.readouterr().err
-    assert "sft.num_tasks (200) must be ≤ rl.num_tasks (100)" in err
+    assert "sft.num_tasks (200) must be ≤ env.num_tasks (100)" in err
     assert not any(tmp_path.iterdir())  # nothing started
 
 
@@ -34,8 +34,8 @@ def test_bad_quickstart_config_names_the_keys(tmp_path, capsys):
 @pytest.mark.slow
 def test_quickstart_runs_end_to_end_and_reports_before_and_after(tmp_path, capsys):
     overrides = [f"run.output_dir={tmp_path}", "run.name=qs", "sft.max_steps=3", "sft.num_tasks=8",
-                 "rl.num_tasks=8", "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "rl.eval_tasks=6",
-                 "rl.eval_every=0", "ray.num_cpus=2", "rl.rollout_num_cpus=1",
+                 "env.num_tasks=8", "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.num_tasks=6",
+                 "eval.every=0", "ray.num_cpus=2", "rollout.num_cpus=1",
                  "rl.learner_num_cpus=1"]
     assert main(overrides) == 0
     out = capsys.readouterr().out
@@ -59,8 +59,8 @@ def test_quickstart_runs_end_to_end_and_reports_before_and_after(tmp_path, capsy
 
 
 def test_quickstart_needs_held_out_tasks(tmp_path, capsys):
-    assert main([f"run.output_dir={tmp_path}", "rl.eval_tasks=0"]) == 2
-    assert "rl.eval_tasks: the quickstart compares held-out success" in capsys.readouterr().err
+    assert main([f"run.output_dir={tmp_path}", "eval.num_tasks=0"]) == 2
+    assert "eval.num_tasks: the quickstart compares held-out success" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -75,10 +75,10 @@ def test_make_tasks_names_the_keys_when_the_env_cannot():
                 raise ValueError(f"only 3 tasks, asked for {n}")
             return [{"id": f"t{i}", "q": i} for i in range(n)]
 
-    assert make_tasks(Few(), 2, 0, "rl.num_tasks") == [{"id": "t0", "q": 0}, {"id": "t1", "q": 1}]
-    with pytest.raises(ConfigError, match=r"rl.num_tasks / rl.env_args: environment Few cannot make 5 tasks "
+    assert make_tasks(Few(), 2, 0, "env.num_tasks") == [{"id": "t0", "q": 0}, {"id": "t1", "q": 1}]
+    with pytest.raises(ConfigError, match=r"env.num_tasks / env.args: environment Few cannot make 5 tasks "
                                           r"\(seed 7\): only 3 tasks, asked for 5"):
-        make_tasks(Few(), 5, 7, "rl.num_tasks / rl.env_args")
+        make_tasks(Few(), 5, 7, "env.num_tasks / env.args")
     with pytest.raises(ConfigError, match="sft.num_tasks: environment Env cannot make 1 tasks"):
         make_tasks(Env(), 1, 0, "sft.num_tasks")  # an env without a task generator
     assert task_key({"id": "a", "q": 1}) == task_key({"q": 1, "id": "b"}) != task_key({"q": 2})

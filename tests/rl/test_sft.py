@@ -73,7 +73,8 @@ def write_job(tmp_path: Path, name: str, **sft) -> Path:
     """A `k3rl sft` recipe: the tiny K3 model section, the toy environment, `sft` settings."""
     job = {"base": [str(REPO / "configs/model/tiny.yaml")],
            "run": {"output_dir": str(tmp_path), "name": name, "seed": 0},
-           "rl": {"env": "sft-toy-search", "max_turns": 4, "max_new_tokens": 96, "max_context_tokens": 1024},
+           "env": {"name": "sft-toy-search"},
+           "rollout": {"max_turns": 4, "max_new_tokens": 96, "max_context_tokens": 1024},
            "sft": sft}
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps(job))
@@ -361,8 +362,8 @@ def base_text_count(tokenizer, row, word: str) -> int:
 def test_bad_configs_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="sft.env: unknown environment 'no-such-env'"):
         main([str(write_job(tmp_path, "a", env="no-such-env"))])
-    with pytest.raises(ConfigError, match="rl.env: unknown environment 'nope'"):
-        main([str(write_job(tmp_path, "b")), "rl.env=nope"])
+    with pytest.raises(ConfigError, match="env.name: unknown environment 'nope'"):
+        main([str(write_job(tmp_path, "b")), "env.name=nope"])
     missing = tmp_path / "no-model"
     with pytest.raises(ConfigError, match=f"sft.model_dir: {missing} does not exist"):
         main([str(write_job(tmp_path, "c", model_dir=str(missing)))])

@@ -59,7 +59,7 @@ def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
                     num_rollout_workers=1, lr=1e-3)
     settings.update(rl)
     return ([f"run.output_dir={tmp_path / 'runs'}", f"run.name={name}", f"rl.model_path={model_dir}",
-             f"rl.tasks_path={train}", f"rl.eval_tasks_path={held_out}", "rl.env_args={corpus: null}"]
+             f"env.tasks_path={train}", f"eval.tasks_path={held_out}", "env.args={corpus: null}"]
             + [f"{'learner' if k == 'lr' else 'rl'}.{k}={v}" for k, v in settings.items()])
 
 
@@ -217,9 +217,9 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
 
 
 @pytest.mark.parametrize("override,message", [
-    ("rl.env_args.lenght=1000", "rl.env_args: environment 'search' does not take these arguments"),
-    ("rl.algo_args.kl_coeff=0.1", "rl.algo / rl.algo_args: algorithm 'grpo': unknown setting(s) kl_coeff"),
-    ("rl.engine=vlm", "rl.engine: 'vlm' is not one of torch, vllm"),
+    ("env.args.lenght=1000", "env.args: environment 'search' does not take these arguments"),
+    ("algo.args.kl_coeff=0.1", "algo.name / algo.args: algorithm 'grpo': unknown setting(s) kl_coeff"),
+    ("rollout.engine=vlm", "rollout.engine: 'vlm' is not one of torch, vllm"),
     ("learner.dtype=float8", "learner.dtype: 'float8' is not one of"),
 ])
 def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
@@ -246,7 +246,7 @@ def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, t
     latin.write_bytes('{"question": "caf\xe9"}\n'.encode("latin-1"))
     for path, message in ((shaped, f"{shaped}:3: not a task of environment SearchEnv"),
                           (latin, f"{latin}: not UTF-8 text")):
-        items = overrides(tmp_path, tiny_qwen3_dir, task_files, "tasks") + [f"rl.tasks_path={path}"]
+        items = overrides(tmp_path, tiny_qwen3_dir, task_files, "tasks") + [f"env.tasks_path={path}"]
         with pytest.raises(ConfigError) as e:
             Trainer(load_config(None, items, schema=TrainJobConfig))
         assert message in str(e.value)
@@ -254,7 +254,7 @@ def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, t
 
 
 def test_bad_task_rows_refused_or_skipped_and_counted(task_files, tmp_path):
-    """`rl.bad_task_rows`: `refuse` names the first bad row; `skip` leaves bad rows out and describes each."""
+    """`env.bad_task_rows`: `refuse` names the first bad row; `skip` leaves bad rows out and describes each."""
     from envs.search import SearchEnv
     from rl.config import ConfigError
     from rl.trainer import read_tasks
@@ -264,7 +264,7 @@ def test_bad_task_rows_refused_or_skipped_and_counted(task_files, tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join([good[0], "{not json", "", '{"question": 3}', good[1]]) + "\n")
     env = SearchEnv(corpus=None)
-    with pytest.raises(ConfigError, match=rf"{path}:2: not valid JSON .*rl.bad_task_rows=skip"):
+    with pytest.raises(ConfigError, match=rf"{path}:2: not valid JSON .*env.bad_task_rows=skip"):
         read_tasks(path, env)
     skipped: list[str] = []
     tasks = read_tasks(path, env, "skip", skipped)

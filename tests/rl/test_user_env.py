@@ -1,7 +1,7 @@
 """An environment of the user's own, outside the package, trains with one `k3rl train` command.
 
 The README's `Guess` example is cut out of README.md and saved as `guess_env.py` in a temporary
-directory (not on PYTHONPATH); `rl.env=guess_env:Guess` names it. The driver imports it from the
+directory (not on PYTHONPATH); `env.name=guess_env:Guess` names it. The driver imports it from the
 current directory and ships the file to the Ray workers (`py_modules`), on a local cluster started
 by the driver (two rollout workers) and on a cluster started with `ray start --head`
 (`ray.address`). Also: an unknown environment is a named config error before anything is written,
@@ -50,11 +50,12 @@ def user_dir(tmp_path):
 def recipe(d: Path, model_dir: Path, name: str, **extra) -> Path:
     cfg = {"run": {"name": name, "output_dir": str(d / "runs")},
            "ray": {"num_cpus": 2},
-           "rl": {"env": "guess_env:Guess", "model_path": str(model_dir), "tasks_path": "train.jsonl",
-                  "eval_tasks_path": "eval.jsonl", "steps": 2, "tasks_per_step": 2, "group_size": 2,
-                  "max_new_tokens": 16, "max_turns": 2, "eval_every": 2, "save_every": 0,
-                  "max_context_tokens": 1024, "num_rollout_workers": 2, "rollout_num_cpus": 0.5,
+           "rl": {"model_path": str(model_dir), "steps": 2, "tasks_per_step": 2, "group_size": 2, "save_every": 0,
                   "learner_num_cpus": 0.5},
+           "env": {"name": "guess_env:Guess", "tasks_path": "train.jsonl"},
+           "eval": {"tasks_path": "eval.jsonl", "every": 2},
+           "rollout": {"max_new_tokens": 16, "max_turns": 2, "max_context_tokens": 1024, "num_workers": 2,
+                       "num_cpus": 0.5},
            "learner": {"lr": 1e-4}}
     for key, value in extra.items():
         section, leaf = key.split("__")
@@ -79,12 +80,12 @@ def steps_logged(run_dir: Path) -> list[int]:
 
 
 def test_unknown_environment_is_named_before_anything_is_written(user_dir, tiny_qwen3_dir):
-    out = train(user_dir, recipe(user_dir, tiny_qwen3_dir, "typo"), "rl.env=guess")
+    out = train(user_dir, recipe(user_dir, tiny_qwen3_dir, "typo"), "env.name=guess")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "rl.env: unknown environment 'guess'" in out.stderr and "module.path:ClassName" in out.stderr
-    out = train(user_dir, recipe(user_dir, tiny_qwen3_dir, "typo"), "rl.env=guess_env:Gues")
+    assert "env.name: unknown environment 'guess'" in out.stderr and "module.path:ClassName" in out.stderr
+    out = train(user_dir, recipe(user_dir, tiny_qwen3_dir, "typo"), "env.name=guess_env:Gues")
     assert out.returncode == 2 and "has no attribute 'Gues'" in out.stderr
-    out = train(user_dir, recipe(user_dir, tiny_qwen3_dir, "typo"), "rl.env=gess_env:Guess")
+    out = train(user_dir, recipe(user_dir, tiny_qwen3_dir, "typo"), "env.name=gess_env:Guess")
     assert out.returncode == 2 and "cannot import module 'gess_env'" in out.stderr
     assert not (user_dir / "runs").exists()
 

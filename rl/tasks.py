@@ -1,4 +1,5 @@
-"""Task sets of a job: drawn from an environment with named errors, and compared by content.
+"""Task sets of a job: read from JSONL files row by row or drawn from an environment, with named errors,
+and compared by content.
 
 `k3rl sft` and `k3rl train` draw their training and held-out tasks here, so both keep held-out
 tasks apart from training tasks by the same rule.
@@ -7,7 +8,8 @@ tasks apart from training tasks by the same rule.
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from rl.config import ConfigError
 
@@ -37,3 +39,49 @@ def remove_training_tasks(held_out: list[Any], train: list[Any]) -> tuple[list[A
         return kept, None
     return kept, (f"held-out tasks: dropped {dropped} of {len(held_out)} that equal a training task, "
                   f"{len(kept)} left")
+
+
+BAD_ROW_POLICIES = ("refuse", "skip")
+
+
+def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
+               skipped: Optional[list[str]] = None) -> list[Any]:
+    """Tasks of a JSONL file, one JSON value per non-empty line. With `env`, every task is checked by
+    starting an episode on it (`env.reset`), so a row of the wrong shape is named (file and line)
+    before anything runs instead of failing later inside a rollout worker.
+
+    `bad_rows`: `refuse` (the first bad row is a ConfigError) or `skip` (bad rows are left out and
+    described in `skipped`, "file:line: reason" each). A file that is not UTF-8 is refused either way."""
+    if bad_rows not in BAD_ROW_POLICIES:
+        raise ConfigError(f"bad task rows: {bad_rows!r} is not one of {', '.join(BAD_ROW_POLICIES)}")
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"task file not found: {path}")
+    tasks = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            task = json.loads(line)
+            if env is not None:
+                try:
+                    env.reset(task)
+                except Exception as e:  # whatever the environment raises for a task it cannot start
+                    raise ConfigError(f"not a task of environment {type(env).__name__} "
+                                      f"({type(e).__name__}: {e})") from None
+        except json.JSONDecodeError as e:
+            problem = f"{path}:{i}: not valid JSON ({e.msg})"
+        except ConfigError as e:
+            problem = f"{path}:{i}: {e}"
+        else:
+            tasks.append(task)
+            continue
+        if bad_rows == "refuse":
+            raise ConfigError(problem + " (env.bad_task_rows=skip leaves such rows out)")
+        if skipped is not None:
+            skipped.append(problem)
+    return tasks

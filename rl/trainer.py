@@ -71,7 +71,6 @@ causal LM). Training tasks are `env.tasks(env.num_tasks, seed=run.seed)` or the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -91,7 +90,7 @@ from rl.cluster import init_ray
 from rl.config import ConfigError, JobConfig, load_config, to_yaml
 from rl.evaluate import is_success, score, success_rule
 from rl.metrics import METRICS_FILE, MetricsLogger, plot
-from rl.tasks import make_tasks, remove_training_tasks
+from rl.tasks import make_tasks, read_tasks, remove_training_tasks
 from rl.transcripts import write_eval_episodes
 from rl.rollout_pool import RolloutPool, WeightSyncError  # noqa: F401  (WeightSyncError: re-exported)
 from rollout.worker import WorkerSpec
@@ -113,52 +112,6 @@ class StepResult:
 
 def _task_id(task: Any, fallback: str) -> str:
     return str(task["id"]) if isinstance(task, dict) and "id" in task else fallback
-
-
-BAD_ROW_POLICIES = ("refuse", "skip")
-
-
-def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
-               skipped: Optional[list[str]] = None) -> list[Any]:
-    """Tasks of a JSONL file, one JSON value per non-empty line. With `env`, every task is checked by
-    starting an episode on it (`env.reset`), so a row of the wrong shape is named (file and line)
-    before anything runs instead of failing later inside a rollout worker.
-
-    `bad_rows`: `refuse` (the first bad row is a ConfigError) or `skip` (bad rows are left out and
-    described in `skipped`, "file:line: reason" each). A file that is not UTF-8 is refused either way."""
-    if bad_rows not in BAD_ROW_POLICIES:
-        raise ConfigError(f"bad task rows: {bad_rows!r} is not one of {', '.join(BAD_ROW_POLICIES)}")
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"task file not found: {path}")
-    tasks = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            task = json.loads(line)
-            if env is not None:
-                try:
-                    env.reset(task)
-                except Exception as e:  # whatever the environment raises for a task it cannot start
-                    raise ConfigError(f"not a task of environment {type(env).__name__} "
-                                      f"({type(e).__name__}: {e})") from None
-        except json.JSONDecodeError as e:
-            problem = f"{path}:{i}: not valid JSON ({e.msg})"
-        except ConfigError as e:
-            problem = f"{path}:{i}: {e}"
-        else:
-            tasks.append(task)
-            continue
-        if bad_rows == "refuse":
-            raise ConfigError(problem + " (env.bad_task_rows=skip leaves such rows out)")
-        if skipped is not None:
-            skipped.append(problem)
-    return tasks
 
 
 class Trainer:

@@ -257,7 +257,7 @@ def test_bad_task_rows_refused_or_skipped_and_counted(task_files, tmp_path):
     """`env.bad_task_rows`: `refuse` names the first bad row; `skip` leaves bad rows out and describes each."""
     from envs.search import SearchEnv
     from rl.config import ConfigError
-    from rl.trainer import read_tasks
+    from rl.tasks import read_tasks
 
     train, _ = task_files
     good = train.read_text().splitlines()[:2]

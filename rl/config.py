@@ -120,6 +120,9 @@ class RolloutConfig:
 
     engine: EngineName = EngineName["torch"]
     """`torch` (k3rl's own, the CPU default) or `vllm`."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Settings of that engine's constructor (`torch`: `max_batch`; `vllm`: any `vllm.EngineArgs` field, e.g.
+    `gpu_memory_utilization`, `enforce_eager`), checked against it before Ray starts."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128

@@ -93,7 +93,7 @@ from rl.metrics import METRICS_FILE, MetricsLogger, plot
 from rl.tasks import make_tasks, read_tasks, remove_training_tasks
 from rl.transcripts import write_eval_episodes
 from rl.rollout_pool import RolloutPool, WeightSyncError  # noqa: F401  (WeightSyncError: re-exported)
-from rollout.worker import WorkerSpec
+from rollout.worker import WorkerSpec, check_engine_args
 
 
 TrainJobConfig = JobConfig
@@ -153,6 +153,7 @@ class Trainer:
         self.chunk_tasks = math.ceil(rl.tasks_per_step / ro.num_workers)
         self.spec = WorkerSpec(
             model_dir=str(rl.model_path), env=en.name, engine=str(ro.engine), env_kwargs=self.env_args,
+            engine_kwargs=OmegaConf.to_container(ro.engine_args, resolve=True),
             sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_new_tokens),
             max_context_tokens=ro.max_context_tokens, budget=with_budget(env.budget, max_turns=ro.max_turns),
             seed=cfg.run.seed, device=cfg.run.device)
@@ -260,6 +261,10 @@ class Trainer:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"algo.name / algo.args: {e}") from None
 
+        try:
+            check_engine_args(str(self.cfg.rollout.engine), dict(self.cfg.rollout.engine_args))
+        except ValueError as e:
+            raise ConfigError(f"rollout.engine_args: {e}") from None
         try:
             resolve(self.cfg.env.name)
             self._env_modules = [p for p in [user_module_path(self.cfg.env.name)] if p is not None]

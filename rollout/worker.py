@@ -36,6 +36,39 @@ class WorkerSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+# What each engine sets itself from the job (the model directory, context length, seed, device).
+_SET_BY_JOB = {"model", "model_dir", "tokenizer", "max_model_len", "seed", "device"}
+
+
+def engine_settings(engine: str) -> list[str]:
+    """The keys `rollout.engine_args` may hold for `engine`: the engine constructor's own keyword settings
+    (`torch`: rollout/torch_engine.py `TorchEngine`; `vllm`: `vllm.EngineArgs`, passed on to `vllm.LLM`),
+    without those the job sets."""
+    import inspect
+
+    if engine == "torch":
+        from rollout.torch_engine import TorchEngine
+
+        params = inspect.signature(TorchEngine.__init__).parameters
+        return sorted(n for n in params if n != "self" and n not in _SET_BY_JOB)
+    if engine == "vllm":
+        import dataclasses
+
+        from vllm import EngineArgs
+
+        return sorted({f.name for f in dataclasses.fields(EngineArgs)} - _SET_BY_JOB)
+    raise ValueError(f"unknown rollout engine {engine!r}; choose 'torch' or 'vllm'")
+
+
+def check_engine_args(engine: str, args: dict[str, Any]) -> None:
+    """Raise ValueError naming any key of `args` that `engine` does not take (and the keys it does)."""
+    valid = engine_settings(engine)
+    unknown = sorted(set(args) - set(valid))
+    if unknown:
+        shown = ", ".join(valid) if len(valid) <= 30 else ", ".join(valid[:30]) + ", …"
+        raise ValueError(f"engine {engine!r} does not take {', '.join(unknown)}; it takes: {shown}")
+
+
 def build_engine(spec: WorkerSpec):
     """The engine named by `spec.engine`, loaded from `spec.model_dir`."""
     if spec.engine == "torch":

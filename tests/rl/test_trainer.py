@@ -52,7 +52,10 @@ def task_files(tmp_path_factory):
 
 
 def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
-    """Tiny run settings: 2 tasks × group 2 per step, 16 new tokens, half a CPU per actor."""
+    """Tiny run settings: 2 tasks × group 2 per step, 16 new tokens, half a CPU per actor. Keyword names are
+    the flat names of earlier recipes (`max_new_tokens`, `num_rollout_workers`, …), each put in its section."""
+    from rl.config import MOVED_KEYS
+
     train, held_out = task_files
     settings = dict(steps=2, tasks_per_step=2, group_size=2, max_new_tokens=16, max_turns=2, eval_every=2,
                     save_every=1, max_context_tokens=2048, learner_num_cpus=0.5, rollout_num_cpus=0.5,
@@ -60,7 +63,7 @@ def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
     settings.update(rl)
     return ([f"run.output_dir={tmp_path / 'runs'}", f"run.name={name}", f"rl.model_path={model_dir}",
              f"env.tasks_path={train}", f"eval.tasks_path={held_out}", "env.args={corpus: null}"]
-            + [f"{'learner' if k == 'lr' else 'rl'}.{k}={v}" for k, v in settings.items()])
+            + [f"{MOVED_KEYS.get('rl.' + k, 'rl.' + k)}={v}" for k, v in settings.items()])
 
 
 def job(*args, **rl):
@@ -219,8 +222,10 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
 @pytest.mark.parametrize("override,message", [
     ("env.args.lenght=1000", "env.args: environment 'search' does not take these arguments"),
     ("algo.args.kl_coeff=0.1", "algo.name / algo.args: algorithm 'grpo': unknown setting(s) kl_coeff"),
-    ("rollout.engine=vlm", "rollout.engine: 'vlm' is not one of torch, vllm"),
-    ("learner.dtype=float8", "learner.dtype: 'float8' is not one of"),
+    ("rollout.engine=vlm", "config key 'rollout.engine' got 'vlm' (str), expected one of torch, vllm"),
+    ("learner.dtype=float8", "config key 'learner.dtype' got 'float8' (str), expected one of"),
+    ("rollout.engine_args.max_batchh=4", "rollout.engine_args: engine 'torch' does not take max_batchh; it takes: "
+                                         "max_batch"),
 ])
 def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
     """Settings only an environment, algorithm or engine understands are checked in the driver, before Ray

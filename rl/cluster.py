@@ -5,11 +5,19 @@ cluster is started without the dashboard and without Ray's auth token (nothing l
 this machine), the way tests and the CPU quickstart want it. `ray.runtime_env` is Ray's own job
 runtime environment; `py_modules` extends its `py_modules` with the user's code (e.g. the module of
 a `module:Class` environment, envs/registry.py), so every worker, local or remote, imports it.
+
+Process hygiene: when a driver is killed (SIGKILL, OOM) its local cluster's GCS, raylet and workers
+die with it, but Ray's per-node agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) outlive their
+raylet (measured: still alive a minute later; tests/smoke/test_ray_hygiene.py). Before starting a
+local cluster, `init_ray` reaps such orphans — agent processes of this user whose raylet is gone
+(re-parented away from any raylet) — and says how many it found. Agents of a live cluster, e.g. one
+started with `ray start`, have their raylet as parent and are left alone.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -29,6 +37,52 @@ def runtime_env(ray_cfg, py_modules: Sequence[str | Path] = ()) -> dict | None:
     return env or None
 
 
+_AGENT_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+_AGENT_SCRIPTS = ("dashboard/agent.py", "runtime_env/agent/main.py")
+
+
+def orphaned_agents() -> list:
+    """Ray agent processes of this user whose raylet has died (their parent is no raylet), as psutil processes."""
+    import psutil
+
+    me = os.getuid()
+    found = []
+    for p in psutil.process_iter(["pid", "uids", "cmdline", "ppid"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if p.info["uids"] is None or p.info["uids"].real != me or not cmd:
+                continue
+            if not (cmd[0].startswith(_AGENT_TITLES) or any(s in " ".join(cmd[:3]) for s in _AGENT_SCRIPTS)):
+                continue
+            parent = psutil.Process(p.info["ppid"]) if p.info["ppid"] else None
+            parent_cmd = " ".join(parent.cmdline()[:1]) if parent is not None else ""
+            if "raylet" not in parent_cmd:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def reap_orphaned_agents(timeout_s: float = 5.0) -> list[int]:
+    """Terminate (then kill) the agents `orphaned_agents` finds; returns their pids."""
+    import psutil
+
+    procs = orphaned_agents()
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return [p.pid for p in procs]
+
+
 def init_ray(ray_cfg, log_to_driver: bool = True, py_modules: Sequence[str | Path] = ()):
     """Start or join a Ray cluster according to the `ray:` config section; return ray's context.
     If this process is already connected, the connection is kept (and its runtime env with it)."""
@@ -41,5 +95,9 @@ def init_ray(ray_cfg, log_to_driver: bool = True, py_modules: Sequence[str | Pat
         return ray.init(address=ray_cfg.address, log_to_driver=log_to_driver, runtime_env=env)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    reaped = reap_orphaned_agents()
+    if reaped:
+        print(f"k3rl: stopped {len(reaped)} Ray agent process(es) left behind by a killed driver "
+              f"(pids {', '.join(map(str, reaped[:8]))})", file=sys.stderr)
     return ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=ray_cfg.include_dashboard,
                     log_to_driver=log_to_driver, configure_logging=False, runtime_env=env)

@@ -239,6 +239,12 @@ class Trainer:
         rl = self.rl  # choices (rl.mode, rollout.engine, env.bad_task_rows, …) are enums checked by the loader
         if not rl.model_path:
             raise ConfigError("rl.model_path: set the initial policy's HF directory (`k3rl init`, `k3rl sft`, …)")
+        model_dir = Path(rl.model_path)
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"rl.model_path: no Hugging Face model at {model_dir} (config.json missing)")
+        if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(f"rl.model_path: {model_dir} has no tokenizer (tokenizer.json / tokenizer_config.json); "
+                              f"the rollout engines and the chat template need one (`k3rl init` writes both)")
         positive = ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.num_learners",
                     "rl.keep_checkpoints")
         for key in positive:

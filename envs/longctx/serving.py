@@ -58,7 +58,7 @@ class LongContextEnv(_FamilyTasks, Env):
     def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
                  tokenizer: Any = None, evidence_weight: float = 0.0, **options: Any):
         self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
-        self.evidence_weight, self.options = evidence_weight, options
+        self.evidence_weight, self.options = evidence_weight, _checked_options(type(self), options)
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.current = self.instance(task)
@@ -105,7 +105,8 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
         """``oracle_k``: the k of the oracle's searches (default ``max_k``); the rest as ``SearchEnv``."""
         super().__init__(corpus=None, max_k=max_k, snippet_chars=snippet_chars, evidence_weight=evidence_weight,
                          oracle_k=max_k if oracle_k is None else oracle_k, tool_prompt=tool_prompt, snippet=snippet)
-        self.family, self.length, self.source, self.tokenizer, self.options = family, length, source, tokenizer, options
+        self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
+        self.options = _checked_options(type(self), options)
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.current = self.instance(task)
@@ -121,6 +122,19 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
 
     def oracle(self, task: Mapping[str, Any]) -> Policy:
         return FamilySearchOracle(task.get("family", self.family), self.oracle_k)
+
+
+def _checked_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The task-generation options given to an environment, refusing unknown names (a typo such as
+    `lenght` would otherwise be ignored) with a TypeError that lists the valid ones."""
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        import inspect
+
+        own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "options")]
+        raise TypeError(f"{cls.__name__} got unexpected argument(s) {', '.join(unknown)}; it takes "
+                        f"{', '.join(own + sorted(DEFAULTS))}, and serve=context|search")
+    return options
 
 
 def _family_factory(family: str) -> Callable[..., Env]:

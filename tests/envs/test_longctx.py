@@ -231,3 +231,13 @@ def test_minimal_prompt_for_models_trained_from_scratch():
     assert len(m_sys["content"]) + len(m_user["content"]) < (len(c_sys["content"]) + len(c_user["content"])) / 2
     solved = sum(run_episode(minimal, t, minimal.oracle(t)).info["em"] == 1.0 for t in minimal.tasks(40, seed=5))
     assert solved >= 38
+
+
+@pytest.mark.parametrize("serve", ["context", "search"])
+def test_unknown_options_are_refused_with_the_valid_ones(serve):
+    """A typo (`lenght`) is a TypeError naming it and the valid arguments, not silently ignored."""
+    import envs
+
+    with pytest.raises(TypeError, match=r"got unexpected argument\(s\) lenght; it takes .*length.*paraphrase_rate"):
+        envs.make("needle", serve=serve, lenght=1000)
+    assert envs.make("needle", serve=serve, length=600, distractors=1).options == {"distractors": 1}

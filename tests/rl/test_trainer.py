@@ -226,6 +226,8 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
     ("learner.dtype=float8", "config key 'learner.dtype' got 'float8' (str), expected one of"),
     ("rollout.engine_args.max_batchh=4", "rollout.engine_args: engine 'torch' does not take max_batchh; it takes: "
                                          "max_batch"),
+    ("rl.model_path=tests/fixtures/k3_per_expert", "has no tokenizer (tokenizer.json / tokenizer_config.json)"),
+    ("rl.model_path=tests/fixtures", "rl.model_path: no Hugging Face model at tests/fixtures (config.json missing)"),
 ])
 def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
     """Settings only an environment, algorithm or engine understands are checked in the driver, before Ray

@@ -21,7 +21,7 @@ def test_config_prints_resolved_yaml():
     cfg = yaml.safe_load(r.stdout)
     assert cfg["learner"]["lr"] == 3e-5 and cfg["ray"]["address"] == "auto"
     assert cfg["run"]["name"] == "quickstart"
-    assert set(cfg) == {"run", "ray", "model", "rl", "learner", "pretrain", "eval", "sft"}
+    assert set(cfg) == {"run", "ray", "model", "rl", "algo", "rollout", "env", "learner", "pretrain", "eval", "sft"}
 
 
 def test_config_unknown_key_fails_naming_it():

@@ -233,7 +233,10 @@ class Router(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if self._collecting():
-            self._record(biased, ids) if mask is None else self._record(biased[mask], ids[mask])
+            if mask is None:
+                self._record(biased, ids)
+            else:
+                self._record(biased[mask], ids[mask])
         return ids, weights * self.scaling
 
     @torch.no_grad()

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rl.config import ConfigError
+from rl.config import BadRows, ConfigError
 
 
 def make_tasks(env: Any, n: int, seed: int, keys: str) -> list[Any]:
@@ -41,7 +41,7 @@ def remove_training_tasks(held_out: list[Any], train: list[Any]) -> tuple[list[A
                   f"{len(kept)} left")
 
 
-BAD_ROW_POLICIES = ("refuse", "skip")
+BAD_ROW_POLICIES = tuple(m.value for m in BadRows)  # the choices of `env.bad_task_rows`
 
 
 def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",

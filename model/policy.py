@@ -1,5 +1,5 @@
 """`Policy`: one loaded policy — k3rl's K3 or any Hugging Face causal LM — behind the few operations the
-toolkit needs, so the learner (rl/learner.py), SFT (rl/sft_trainer.py, rl/sft.py), the native engine
+toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supervised.py), the native engine
 (rollout/torch_engine.py) and the self-check ask one object instead of each probing the model.
 
 - `load_policy(path, dtype, device)`: an HF directory (config.json required); K3 is registered with the

@@ -75,8 +75,9 @@ def to_train_sequence(trajectory: Any, advantage: float) -> Optional[TrainSequen
                          advantage=float(advantage), routed=None if routed is None else np.asarray(routed[:-1]))
 
 
-def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group sequence indices into micro-batches with padded size (count × longest) ≤ token_budget.
+def pack_micro_batches(lengths: Sequence[int], token_budget: int, max_seqs: Optional[int] = None) -> list[list[int]]:
+    """Group sequence indices into micro-batches with padded size (count × longest) ≤ token_budget
+    and at most `max_seqs` sequences each (None: no limit).
 
     Longest first, so each micro-batch holds sequences of similar length; a sequence longer than
     the budget is alone. Deterministic.
@@ -84,7 +85,8 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget and (
+                max_seqs is None or len(batches[-1]) < max_seqs):
             batches[-1].append(i)
         else:
             batches.append([i])

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("rl.quickstart:main", "quickstart [CONFIG] [key=value…]: the main job — tiny K3 from scratch, SFT, "
                    "GRPO on Ray, held-out success before/after RL"),
     "train": ("rl.trainer:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
-    "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (TRL SFTTrainer)"),
+    "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (the learner, nll objective)"),
     "params": ("model.cli:params_main", "params CONFIG [key=value…] [--json]: total and active parameters by component"),
     "init": ("model.cli:init_main", "init CONFIG OUT_DIR [key=value…]: random-init K3 model (+ tokenizer) as an HF dir"),
     "envs": ("envs.registry:main", "list the registered environments, one line each"),

@@ -71,6 +71,8 @@ Optimizer = StrEnum("Optimizer", {"adamw": "adamw", "muon": "muon"})
 """The learner's optimizer (rl/optim.py)."""
 DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "float64")})
 """The learner's parameter dtype."""
+LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_warmup", "linear", "cosine")})
+"""The learning-rate schedule over optimizer steps (transformers' schedulers of these names; rl/optim.py)."""
 
 
 @dataclass
@@ -199,6 +201,16 @@ class LearnerSettings:
     dtype: DType = DType["float32"]
     """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
     parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
+    lr_scheduler: LRSchedule = LRSchedule["constant"]
+    """`constant`, `constant_with_warmup`, `linear` or `cosine` (both decay to 0 at `total_steps`), over
+    optimizer steps (a skipped step does not advance it). Like transformers, step k uses the factor of k,
+    so a warmup's first step has learning rate 0."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to `lr` over this many steps (not for `constant`)."""
+    total_steps: Optional[int] = None
+    """Steps `linear` and `cosine` decay over; null: the job's step count (`rl.steps`, or the SFT run's steps)."""
+    micro_batch_seqs: Optional[int] = None
+    """At most this many sequences per micro-batch besides the token budget; null: no limit."""
 
 
 # Keys that moved to another section: a recipe or override that still uses one is told where it went.
@@ -295,18 +307,27 @@ class SFTConfig:
     max_steps: int = 100
     """Optimizer steps; 0 or less trains for `epochs` epochs instead."""
     epochs: float = 1.0
+    """Passes over the demonstrations when `max_steps` ≤ 0 (each epoch in a fresh order of `run.seed`)."""
     batch_size: int = 1
-    """Demonstrations per micro-batch. One per micro-batch suits the CPU: no padding (batches of search
-    demonstrations carry ~15% of it) and no [B, H, T, T] attention scores in K3's MLA."""
+    """Demonstrations per micro-batch (the learner's `micro_batch_seqs`; `learner.micro_batch_tokens`
+    still bounds B·T). One per micro-batch suits the CPU: no padding and no [B, H, T, T] attention scores
+    in K3's MLA."""
     grad_accum: int = 8
-    """Micro-batches per optimizer step (the update equals one batch of `batch_size × grad_accum`)."""
+    """Micro-batches per optimizer step: each step trains on `batch_size × grad_accum` demonstrations,
+    and the update equals one batch of them (the loss divides by the step's loss tokens)."""
     lr: float = 1e-3
-    lr_scheduler: str = "constant_with_warmup"
-    """A transformers scheduler name (`linear`, `cosine`, `constant_with_warmup`, …)."""
+    """Peak learning rate of SFT (the `learner:` section's is RL's); the other `learner:` settings
+    (optimizer, dtype, micro_batch_tokens, …) apply to SFT as well."""
+    lr_scheduler: LRSchedule = LRSchedule["constant_with_warmup"]
+    """`constant`, `constant_with_warmup`, `linear` or `cosine` (decaying to 0 at the last step)."""
     warmup_steps: int = 10
+    """Linear warmup of the learning rate from 0 over this many steps."""
     weight_decay: float = 0.0
+    """Decoupled weight decay on matrices (as `learner.weight_decay`)."""
     max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
     logging_steps: int = 10
+    """Steps per line of progress and per row of `metrics.jsonl` (means over the steps since the last row)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, slower)."""
     logprob_chunk_size: int = 1024

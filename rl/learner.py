@@ -14,7 +14,8 @@ One `train_step(trajectories)` is one optimizer step:
    gradient is non-finite on any rank, every rank skips the optimizer step (weights, optimizer
    state, router biases and `version` unchanged) and the metrics say why;
 5. gradient clipping, the optimizer step (AdamW; Muon for hidden matrices when `optimizer: muon`,
-   rl/optim.py), then router-bias balancing for MoE models (statistics reduced over ranks).
+   rl/optim.py) and the learning-rate schedule's step, then router-bias balancing for MoE models
+   (statistics reduced over ranks).
 
 Log-probabilities never go through full logits: the policy adapter (model/policy.py) gives the
 final hidden states of the loss-mask rows and `model.logprobs.selected_logprobs` scores them in
@@ -73,7 +74,7 @@ from rl.batching import MicroBatch, collate, pack_micro_batches, to_train_sequen
 from rl.config import LearnerSettings
 from model.hf_names import stack_experts
 from model.policy import Policy, load_policy
-from rl.optim import build_optimizers
+from rl.optim import build_optimizers, build_schedulers, restore_schedulers
 from rl import router_balance
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -104,6 +105,17 @@ class LearnerConfig(LearnerSettings):
             raise ValueError("micro_batch_tokens and logprob_chunk_size must be ≥ 1")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm: must be ≥ 0, got {self.max_grad_norm}")
+        if str(self.lr_scheduler) not in ("constant", "constant_with_warmup", "linear", "cosine"):
+            raise ValueError(f"lr_scheduler: {self.lr_scheduler!r} is not one of constant, constant_with_warmup, "
+                             f"linear, cosine")
+        if self.warmup_steps < 0 or (self.warmup_steps and str(self.lr_scheduler) == "constant"):
+            raise ValueError(f"warmup_steps: {self.warmup_steps} with lr_scheduler {self.lr_scheduler!r} (`constant` "
+                             f"has no warmup: use constant_with_warmup)")
+        if str(self.lr_scheduler) in ("linear", "cosine") and not (self.total_steps and self.total_steps > 0):
+            raise ValueError(f"total_steps: lr_scheduler {self.lr_scheduler!r} decays over total_steps, got "
+                             f"{self.total_steps}")
+        if self.micro_batch_seqs is not None and self.micro_batch_seqs < 1:
+            raise ValueError(f"micro_batch_seqs: must be ≥ 1 or null, got {self.micro_batch_seqs}")
 
     @classmethod
     def from_job(cls, job: Any, model_path: str | Path, **overrides: Any) -> "LearnerConfig":
@@ -114,6 +126,8 @@ class LearnerConfig(LearnerSettings):
         section = job.learner if "learner" in job else LearnerSettings()
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(LearnerSettings)}
         values = {k: str(v) if isinstance(v, Enum) else v for k, v in values.items()}
+        if values["total_steps"] is None and "rl" in job:
+            values["total_steps"] = int(job.rl.steps)
         values.update(model_path=str(model_path), algo=job.algo.name, algo_args=OmegaConf.to_container(job.algo.args)
                       if OmegaConf.is_config(job.algo.args) else dict(job.algo.args), seed=job.run.seed,
                       device=job.run.device)
@@ -168,6 +182,7 @@ class Learner:
             self.ref_policy.model.eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizers = build_optimizers(self.model, self.params, cfg)
+        self.schedulers = build_schedulers(self.optimizers, cfg)
         self.version = 0
         self.tokenizer_path = Path(cfg.model_path)
 
@@ -200,7 +215,8 @@ class Learner:
         for r in self._routers:
             r.collect_stats = False
         try:
-            for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens):
+            for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens,
+                                          self.cfg.micro_batch_seqs):
                 mb = collate([prepared[live[j]] for j in idx], self.device, self._replay_shape)
                 logp, _ = self.logprobs(self.policy, mb, self._replay and mb.routed is not None)
                 per_seq = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
@@ -242,6 +258,7 @@ class Learner:
         `train_tokens_per_s`, and for MoE models `maxvio/<MoE module>` and `maxvio_max`.
         """
         start = time.perf_counter()
+        lr = self.optimizers[0].param_groups[0]["lr"]  # this step's (the schedule moves on after it)
         if advantages is None:
             advantages = compute_advantages(self.algo, trajectories)
         if len(advantages) != len(trajectories):
@@ -254,11 +271,12 @@ class Learner:
             opt.zero_grad(set_to_none=True)
         self._clear_router_stats()
         if n_seqs == 0:
-            return self._finish(start, {}, skipped="empty_batch", n=(0, 0, 0), micro_batches=0)
+            return self._finish(start, {}, skipped="empty_batch", n=(0, 0, 0), micro_batches=0, lr=lr)
 
         sums: dict[str, torch.Tensor] = {}
         bad_loss = False
-        batches = pack_micro_batches([len(s.inputs) for s in seqs], self.cfg.micro_batch_tokens)
+        batches = pack_micro_batches([len(s.inputs) for s in seqs], self.cfg.micro_batch_tokens,
+                                     self.cfg.micro_batch_seqs)
         for idx in batches:
             mb = collate([seqs[i] for i in idx], self.device, self._replay_shape)
             loss, metrics = self._micro_batch(mb, n_tokens, n_seqs)
@@ -283,11 +301,13 @@ class Learner:
             metrics["grad_clipped"] = float(0 < self.cfg.max_grad_norm < metrics["grad_norm"])
             for opt in self.optimizers:
                 opt.step()
+            for sched in self.schedulers:
+                sched.step()
             self.version += 1
             metrics.update(self._balance_routers())
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return self._finish(start, metrics, skipped, (n_tokens, n_seqs, n_inputs), len(batches))
+        return self._finish(start, metrics, skipped, (n_tokens, n_seqs, n_inputs), len(batches), lr)
 
     def _clear_router_stats(self) -> None:
         for router in self._routers:
@@ -302,12 +322,13 @@ class Learner:
             out["maxvio_max"] = max(maxvio.values())
         return out
 
-    def _finish(self, start: float, metrics: dict[str, Any], skipped: str, n: tuple, micro_batches: int) -> dict:
+    def _finish(self, start: float, metrics: dict[str, Any], skipped: str, n: tuple, micro_batches: int,
+                lr: float) -> dict:
         if skipped:
             self._clear_router_stats()
         elapsed = time.perf_counter() - start
         metrics.update(skipped=float(bool(skipped)), skip_reason=skipped, version=self.version,
-                       lr=self.optimizers[0].param_groups[0]["lr"], num_loss_tokens=n[0], num_seqs=n[1],
+                       lr=lr, num_loss_tokens=n[0], num_seqs=n[1],
                        num_tokens=n[2], micro_batches=micro_batches, step_time_s=elapsed,
                        train_tokens_per_s=n[2] / elapsed if elapsed > 0 else 0.0)
         return metrics
@@ -384,6 +405,7 @@ class Learner:
             raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this learner's parameters ({e}); "
                                        f"start a new run from its weights instead (rl.model_path={path})") from e
         self.version = int(state["version"])
+        restore_schedulers(self.schedulers, self.version)
         rng_file = path / f"rng-rank{self.rank:05d}.pt"
         if rng_file.is_file():
             ckpt.restore_rng(torch.load(rng_file, weights_only=False))

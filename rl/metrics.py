@@ -4,7 +4,8 @@
 - `metrics.jsonl`: one JSON object per step (`step`, `time`, the scalars, then `extra`: lists and
   strings such as the ids of the trained groups), appended and flushed at once;
 - TensorBoard event files under `run_dir/tb` (finite numeric scalars only);
-- a rich console line with the headline numbers, under a progress bar of the run's steps.
+- a rich console line with the headline numbers (`headline`: (metric, label) pairs; RL's by
+  default), under a progress bar of the run's steps (`label`: "RL", "SFT", …).
 
 Resuming (`resume_step=k`): `metrics.jsonl` is rewritten (temp file + rename) keeping only the
 lines of steps ≤ k, the steps the checkpoint covers, and dropping a line torn by a crash; the
@@ -25,7 +26,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 METRICS_FILE = "metrics.jsonl"
 Z95 = 1.959963984540054
@@ -85,7 +86,8 @@ class MetricsLogger:
     """Console + TensorBoard + metrics.jsonl for one run directory; see module docstring."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, resume_step: Optional[int] = None,
-                 console: bool = True):
+                 console: bool = True, label: str = "RL",
+                 headline: Sequence[tuple[str, str]] = ()):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from torch.utils.tensorboard import SummaryWriter
@@ -99,7 +101,8 @@ class MetricsLogger:
         purge = None if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
         self.console = Console(quiet=not console, soft_wrap=True)
-        self.progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        self.headline = tuple(headline) or _HEADLINE
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  console=self.console, transient=False, disable=not console)
         self.task = self.progress.add_task("steps", total=total_steps, completed=start)
         self.progress.start()
@@ -126,7 +129,7 @@ class MetricsLogger:
             if _is_scalar(value):
                 self.writer.add_scalar(key, float(value), step)
         self.writer.flush()
-        parts = [f"{label} {_fmt(float(scalars[key]))}" for key, label in _HEADLINE if key in scalars]
+        parts = [f"{label} {_fmt(float(scalars[key]))}" for key, label in self.headline if key in scalars]
         if "eval/success_rate" in scalars:
             parts.append(f"eval {scalars['eval/success_rate']:.3f} [{scalars['eval/ci_low']:.3f}, "
                          f"{scalars['eval/ci_high']:.3f}] n={int(scalars['eval/num_tasks'])}")

@@ -6,6 +6,10 @@ takes 2-D parameters only; the routed experts are stacked [E, out, in] (model/mo
 momentum, Newton–Schulz iteration (torch's own), learning-rate adjustment by the matrix shape and
 decoupled weight decay — as if the experts were separate 2-D parameters (tests/rl/test_optim.py).
 Embeddings and the LM head stay with AdamW (Muon is for hidden layers).
+
+The learning-rate schedule (`build_schedulers`) is transformers' scheduler of the configured name on
+each optimizer, a pure function of the optimizer step: a resumed learner recomputes it from its
+`version` (`restore_schedulers`) instead of saving its state.
 """
 
 from __future__ import annotations
@@ -89,4 +93,24 @@ def build_optimizers(model: torch.nn.Module, params: list[torch.Tensor], cfg: An
     return optimizers
 
 
-__all__ = ["ExpertMuon", "build_optimizers"]
+def build_schedulers(optimizers: list[torch.optim.Optimizer], cfg: Any) -> list[torch.optim.lr_scheduler.LRScheduler]:
+    """One transformers scheduler per optimizer (`cfg.lr_scheduler`, `warmup_steps`, `total_steps`);
+    call `.step()` on each after every optimizer step that was taken."""
+    from transformers import get_scheduler
+
+    return [get_scheduler(str(cfg.lr_scheduler), opt, num_warmup_steps=cfg.warmup_steps,
+                          num_training_steps=cfg.total_steps) for opt in optimizers]
+
+
+def restore_schedulers(schedulers: list[torch.optim.lr_scheduler.LRScheduler], step: int) -> None:
+    """Set every scheduler (and its optimizer's learning rates) to optimizer step `step`."""
+    import warnings
+
+    for sched in schedulers:
+        sched.last_epoch = step - 1
+        with warnings.catch_warnings():  # "step() before optimizer.step()": intended, nothing is skipped
+            warnings.simplefilter("ignore", UserWarning)
+            sched.step()
+
+
+__all__ = ["ExpertMuon", "build_optimizers", "build_schedulers", "restore_schedulers"]

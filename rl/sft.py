@@ -1,18 +1,20 @@
 """Supervised warm start (`k3rl sft CONFIG [key=value …]`): the driver, composed of
 - rl/demonstrations.py: the environment's oracle (and imperfect teachers, envs/teachers.py) played on
   `sft.num_tasks` tasks, rendered exactly as rollouts render them (rollout/chat.py `render_transcript`);
-- rl/sft_trainer.py: TRL's `SFTTrainer` with the loss on the model's own tokens through the learner's
-  chunked log-prob path (model/logprobs.py);
+- rl/supervised.py: the demonstrations trained by the RL learner itself (rl/learner.py) with the `nll`
+  objective (rl/algos/nll.py) on the assistant's tokens — the same micro-batching, chunked log-probs,
+  NaN guard, optimizers (`learner.optimizer`, `learner.dtype` apply), schedule and router balancing;
 - model/init.py: the random model when `sft.model_dir` is null; rl/evaluate.py: the held-out check.
 
-TRL is kept for what it does well here (dataset preparation, collation, the optimisation loop with
-gradient accumulation and schedules); the loss and the router balancing are k3rl's own.
+Why not TRL's `SFTTrainer` (used here until issue 12): its loss path needs overriding for K3 (whose
+backbone returns pre-norm states and whose routers need the padding mask and a bias update after each
+step), which made it a second log-prob path and a second training loop beside the learner's.
 
 Output, under `run.output_dir/run.name/`: `config.yaml`, `demos.json` (what was kept and
 why the rest was dropped), `init/` (the freshly initialised model when `sft.model_dir` is
-null), `tensorboard/`, `metrics.jsonl`, `loss.png`, and `model/` (HF model + tokenizer,
-written to a temporary directory and renamed). With `sft.eval_tasks > 0`, greedy rollouts on
-held-out tasks after training, scored by rl/evaluate.py, go to `eval.json`.
+null), `tb/` (TensorBoard), `metrics.jsonl` (one row per `sft.logging_steps`), `loss.png`, and `model/`
+(HF model + tokenizer, written to a temporary directory and renamed). With `sft.eval_tasks > 0`, greedy
+rollouts on held-out tasks after training, scored by rl/evaluate.py, go to `eval.json`.
 """
 
 from __future__ import annotations
@@ -26,18 +28,11 @@ from typing import Any
 
 from rl.config import ConfigError, JobConfig, SFTConfig  # noqa: F401  (SFTConfig: the `sft:` section)
 from rl.demonstrations import collect_demonstrations
-from rl.sft_trainer import _callbacks, make_trainer
+from rl.metrics import MetricsLogger
+from rl.supervised import as_trajectory, num_steps, step_batches, train_supervised
 
-
-def load_model(model_dir: str | Path, device: str = "cpu"):
-    """(model, tokenizer) of an HF directory (model/policy.py; the model's own dropout is kept for training)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from model.policy import load_policy
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return load_policy(model_dir, torch.float32, device, dropout=True).model, tokenizer
+SFT_HEADLINE = (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm"), ("train_tokens_per_s", "tok/s"),
+                ("step_time_s", "s/step"))
 
 
 def save_model(model, tokenizer, target: str | Path) -> Path:
@@ -48,6 +43,27 @@ def save_model(model, tokenizer, target: str | Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(target)
+
+
+def make_learner(cfg: Any, model_dir: str | Path, num_examples: int):
+    """(the `nll` learner of an SFT job, its step count): the `learner:` section's settings with the
+    `sft:` section's optimisation on top (rate, schedule, clipping, micro-batch of `batch_size`)."""
+    import torch
+
+    from rl.learner import Learner, LearnerConfig
+
+    sft = cfg.sft
+    steps = num_steps(num_examples, sft.batch_size * sft.grad_accum, sft.max_steps, sft.epochs)
+    try:
+        learner_cfg = LearnerConfig.from_job(
+            cfg, model_dir, algo="nll", algo_args={}, lr=sft.lr, lr_scheduler=str(sft.lr_scheduler),
+            warmup_steps=sft.warmup_steps, total_steps=steps, weight_decay=sft.weight_decay,
+            max_grad_norm=sft.max_grad_norm, gradient_checkpointing=sft.gradient_checkpointing,
+            logprob_chunk_size=sft.logprob_chunk_size, micro_batch_seqs=sft.batch_size)
+    except ValueError as e:
+        raise ConfigError(f"sft: {e}") from None
+    torch.manual_seed(cfg.run.seed)
+    return Learner(learner_cfg), steps
 
 
 def init_model(model_section: Any, target: str | Path, seed: int = 0) -> Path:
@@ -101,6 +117,9 @@ def _check(cfg) -> None:
     if sft.hedging_rate > 0 and not sft.hedge.strip():
         raise ConfigError("sft.hedge: empty, so the hedging teacher would answer as the oracle does; give it a "
                           "hedge such as ', I think' or set sft.hedging_rate=0")
+    if str(sft.lr_scheduler) == "constant" and sft.warmup_steps > 0:
+        raise ConfigError(f"sft.warmup_steps: {sft.warmup_steps} with sft.lr_scheduler=constant, which has no "
+                          f"warmup; use constant_with_warmup or sft.warmup_steps=0")
     if sft.eval_tasks < 0:
         raise ConfigError(f"sft.eval_tasks: must be ≥ 0, got {sft.eval_tasks}")
     if cfg.run.device not in ("cpu", "cuda"):
@@ -123,7 +142,9 @@ def run_sft(cfg) -> Path:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     model_dir = Path(sft.model_dir) if sft.model_dir is not None else init_model(cfg.model, run_dir / "init", run.seed)
-    model, tokenizer = load_model(model_dir, run.device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"sft.model_dir: the tokenizer in {model_dir} has no chat template")
 
@@ -144,22 +165,18 @@ def run_sft(cfg) -> Path:
         raise ConfigError(f"sft: no demonstration kept out of {report.tasks} tasks ({report.dropped}); check "
                           f"sft.min_reward, rollout.max_context_tokens and rollout.max_new_tokens")
 
-    from datasets import Dataset
-    from torch.utils.tensorboard import SummaryWriter
-    from transformers.integrations import TensorBoardCallback
-
-    metrics_path = run_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
-    _, jsonl_logger = _callbacks()
-    trainer = make_trainer(model, tokenizer, Dataset.from_list(report.rows), sft, run_dir / "trainer", run.seed,
-                           run.device, callbacks=[TensorBoardCallback(SummaryWriter(str(run_dir / "tensorboard"))),
-                                                  jsonl_logger(metrics_path)])
+    learner, steps = make_learner(cfg, model_dir, len(report.rows))
+    examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in report.rows]
+    batches = step_batches(len(examples), sft.batch_size * sft.grad_accum, steps, run.seed)
+    logger = MetricsLogger(run_dir, total_steps=steps, resume_step=-1, label="SFT", headline=SFT_HEADLINE)
     started = time.perf_counter()
-    trainer.train()
+    try:
+        history = train_supervised(learner, examples, batches, logger.log, sft.logging_steps)
+    finally:
+        logger.close()
     seconds = time.perf_counter() - started
-    out = save_model(trainer.model, tokenizer, run_dir / "model")
-    history = [h for h in trainer.state.log_history if "loss" in h]
-    print(loss_summary(history, seconds, trainer.state.global_step, trainer._total_train_tokens), flush=True)
+    out = save_model(learner.model, tokenizer, run_dir / "model")
+    print(loss_summary(history, seconds, steps), flush=True)
     plot_loss(history, run_dir / "loss.png")
     if sft.eval_tasks > 0:
         held_out, dropped = remove_training_tasks(
@@ -168,7 +185,7 @@ def run_sft(cfg) -> Path:
             print(dropped, flush=True)
         from rl.evaluate import evaluate_greedy
 
-        result = evaluate_greedy(trainer.model, tokenizer, env_name, held_out, env_kwargs,
+        result = evaluate_greedy(learner.model, tokenizer, env_name, held_out, env_kwargs,
                                  max_new_tokens=cfg.rollout.max_new_tokens, max_turns=cfg.rollout.max_turns,
                                  max_context_tokens=cfg.rollout.max_context_tokens, success_key=cfg.env.success_key,
                                  device=run.device)
@@ -181,16 +198,18 @@ def run_sft(cfg) -> Path:
     return out
 
 
-def loss_summary(history: list[dict], seconds: float, steps: int, tokens: int) -> str:
-    """One line: the training loss at the start and end, its minimum, time and throughput."""
+def loss_summary(history: list[dict], seconds: float, steps: int) -> str:
+    """One line: the training loss at the start and end, its minimum, skipped steps, time and throughput."""
     if not history:
         return f"sft: {steps} steps in {seconds:.1f} s (no loss logged)"
-    losses = [h["loss"] for h in history]
+    losses = [h["loss"] for h in history if "loss" in h]
+    tokens = sum(h["num_tokens"] for h in history)
+    skipped = round(sum(h.get("skipped", 0.0) * h["window_steps"] for h in history))
     k = max(1, len(losses) // 10)
     return (f"sft: {steps} steps in {seconds:.1f} s ({seconds / max(1, steps):.2f} s/step, "
             f"{tokens / max(seconds, 1e-9):.0f} tokens/s); loss {losses[0]:.3f} → {losses[-1]:.3f} "
             f"(min {min(losses):.3f}; mean of first/last {k} logs {sum(losses[:k]) / k:.3f} → "
-            f"{sum(losses[-k:]) / k:.3f})")
+            f"{sum(losses[-k:]) / k:.3f}){f'; {skipped} steps skipped (non-finite)' if skipped else ''}")
 
 
 def plot_loss(history: list[dict], path: str | Path) -> None:
@@ -201,6 +220,7 @@ def plot_loss(history: list[dict], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    history = [h for h in history if "loss" in h]
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], marker="o", markersize=3)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("SFT loss (nats / assistant token)")
@@ -218,7 +238,7 @@ def main(argv: list[str]) -> int:
     from rl.cli import config_parser
     from rl.config import load_config
 
-    args = config_parser("k3rl sft", "supervised warm start on oracle demonstrations (TRL SFTTrainer)").parse_args(argv)
+    args = config_parser("k3rl sft", "supervised warm start on oracle demonstrations (the learner, nll objective)").parse_args(argv)
     run_sft(load_config(args.config, args.overrides, JobConfig))
     return 0
 

@@ -145,12 +145,16 @@ def test_every_learner_setting_reaches_the_learner_config():
     values = {"optimizer": "muon", "dtype": "bfloat16", "micro_batch_tokens": 123, "gradient_checkpointing": True,
               "routing_replay": False, "ref_model_path": "/ref", "lr": 0.25, "weight_decay": 0.5, "max_grad_norm": 3.0,
               "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6, "muon_momentum": 0.9, "logprob_chunk_size": 7,
-              "compute_entropy": True}
+              "compute_entropy": True, "lr_scheduler": "cosine", "warmup_steps": 4, "total_steps": 40,
+              "micro_batch_seqs": 2}
     assert set(values) == {f.name for f in dataclasses.fields(LearnerSettings)}
     job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"])
     cfg = LearnerConfig.from_job(job, "/policy")
     assert {k: getattr(cfg, k) for k in values} == values
     assert (cfg.model_path, cfg.algo, cfg.seed) == ("/policy", "ppo", 5)
+    # a decaying schedule without learner.total_steps decays over the job's steps
+    job = load_config(None, ["learner.lr_scheduler=linear", "rl.steps=17"])
+    assert LearnerConfig.from_job(job, "/policy").total_steps == 17
 
 
 def test_every_old_recipe_key_has_a_new_place_in_the_schema():

@@ -79,6 +79,8 @@ def test_pack_micro_batches_respects_budget():
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 20
     assert [5] in batches  # longer than the budget: alone
+    capped = pack_micro_batches([2] * 7, 100, max_seqs=3)
+    assert [len(b) for b in capped] == [3, 3, 1]
     assert split_balanced([10, 1, 1, 8], 2) == [[0], [1, 2, 3]]  # loads 10 and 10
     assert split_balanced([3], 2) == [[0], []]
 
@@ -197,7 +199,9 @@ def test_named_weights_load_into_a_fresh_model(tiny_qwen3_dir, qwen_batch):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3_dir, qwen_batch, optimizer):
-    cfg = qwen_cfg(tiny_qwen3_dir, optimizer=optimizer, weight_decay=0.01)
+    # with a warmup, a resumed learner that forgot its place in the schedule would take step 2 at lr 0
+    cfg = qwen_cfg(tiny_qwen3_dir, optimizer=optimizer, weight_decay=0.01, lr_scheduler="cosine", warmup_steps=1,
+                   total_steps=4)
     first, second = qwen_batch[:8], qwen_batch[4:]
     a = Learner(cfg)
     a.train_step(first)
@@ -215,6 +219,8 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3_dir, q
     assert torch.equal(torch.get_rng_state(), rng_at_save) and b.version == 1
     b.train_step(second)
     assert_same_weights(weights(a), weights(b))
+    assert [(s.last_epoch, s.get_last_lr()) for s in b.schedulers] == [(s.last_epoch, s.get_last_lr())
+                                                                       for s in a.schedulers]
     for oa, ob in zip(a.optimizers, b.optimizers):
         sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
         assert sa.keys() == sb.keys()
@@ -225,6 +231,27 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3_dir, q
     state = ckpt.load_trainer_state(path, restore_rng_state=False)
     assert state["step"] == 1 and [t.tokens.tolist() for t in state["unconsumed"]] == [
         t.tokens.tolist() for t in second[:2]]
+
+
+def test_learning_rate_follows_the_schedule_and_skipped_steps_do_not_advance_it(tiny_qwen3_dir, qwen_batch):
+    """`lr` of each step = peak × transformers' cosine-with-warmup factor of the step (step 0: 0); a skipped
+    step (here an empty batch; the non-finite guard skips the same way) leaves the schedule where it was;
+    `constant` never moves the rate."""
+    import math
+
+    learner = Learner(qwen_cfg(tiny_qwen3_dir, lr=1e-3, lr_scheduler="cosine", warmup_steps=2, total_steps=6))
+    factor = [k / 2 if k < 2 else 0.5 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(6)]
+    seen = [learner.train_step(qwen_batch[:4])["lr"] for _ in range(3)]
+    skipped = learner.train_step(qwen_batch[:0])
+    assert skipped["skipped"] == 1 and skipped["skip_reason"] == "empty_batch"
+    seen += [learner.train_step(qwen_batch[:4])["lr"] for _ in range(3)]
+    assert seen == pytest.approx([1e-3 * f for f in factor], abs=1e-12)
+    constant = Learner(qwen_cfg(tiny_qwen3_dir, lr=1e-3))
+    assert [constant.train_step(qwen_batch[:4])["lr"] for _ in range(2)] == [1e-3, 1e-3]
+    with pytest.raises(ValueError, match="total_steps"):
+        qwen_cfg(tiny_qwen3_dir, lr_scheduler="linear")
+    with pytest.raises(ValueError, match="constant_with_warmup"):
+        qwen_cfg(tiny_qwen3_dir, warmup_steps=3)
 
 
 def test_saved_dir_is_a_hugging_face_model_and_damage_is_named(tmp_path, tiny_qwen3_dir, qwen_batch):

@@ -1,5 +1,6 @@
-"""SFT warm start (rl/sft.py): demonstrations are the agent loop's own tokens, labels are -100 exactly
-off the model's turns, the loss is the masked cross-entropy, gradient accumulation equals one batch,
+"""SFT warm start (rl/sft.py, trained by the learner's `nll` objective through rl/supervised.py):
+demonstrations are the agent loop's own tokens, the loss rows are exactly the model's turns, the loss
+is the masked cross-entropy, micro-batching equals one batch, epochs are seeded shuffles,
 a short `k3rl sft` run lowers the loss and saves a loadable model, SFT teaches the tool protocol to
 a tiny model, and bad configs fail with named errors.
 
@@ -23,8 +24,10 @@ from envs.search import SearchEnv
 from rl.config import ConfigError
 from rl.evaluate import evaluate_greedy
 from rl.demonstrations import collect_demonstrations, demonstrations
-from rl.sft import SFTConfig, load_model, main
-from rl.sft_trainer import make_trainer
+from rl.batching import collate, to_train_sequence
+from rl.learner import Learner, LearnerConfig
+from rl.sft import SFTConfig, main
+from rl.supervised import as_trajectory, step_batches, train_supervised
 from rollout.chat import render_transcript as render_demonstration
 
 REPO = Path(__file__).parents[2]
@@ -202,66 +205,84 @@ def test_render_keeps_rollout_turn_ends(k3_tokenizer):
         render_demonstration(renderer, opening + [{"role": "assistant", "content": call + " and more"}])
 
 
-def test_labels_are_minus_100_exactly_off_the_assistant_tokens(k3_run, tmp_path):
-    model, tokenizer = load_model(k3_run / "init")
-    data = demonstrations("sft-toy-search", 3, 1, tokenizer)
-    trainer = make_trainer(model, tokenizer, data, sft_cfg(batch_size=3, grad_accum=1, max_steps=1), tmp_path)
-    prepared = trainer.train_dataset
-    for row, labels in zip(data, prepared["labels"]):
-        assert labels == [t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]
-    batch = next(iter(trainer.get_train_dataloader()))
-    lengths = batch["attention_mask"].sum(1).tolist()
+def tokenizer_of(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def nll_learner(path, **kw) -> Learner:
+    return Learner(LearnerConfig(model_path=str(path), algo="nll", **kw))
+
+
+def test_loss_mask_is_exactly_the_assistant_tokens(k3_run):
+    """A demonstration trains where its next token is the assistant's: right-padded in a micro-batch,
+    the loss rows are the assistant mask shifted by one, and nothing else."""
+    data = demonstrations("sft-toy-search", 3, 1, tokenizer_of(k3_run / "init"))
+    seqs = [to_train_sequence(as_trajectory(r["input_ids"], r["assistant_masks"]), 1.0) for r in data]
+    mb = collate(seqs, torch.device("cpu"), None)
+    lengths = mb.valid.sum(1).tolist()
     assert len(set(lengths)) > 1, "the batch should need padding"
-    for b, n in enumerate(lengths):
-        (row,) = [r for r in data if r["input_ids"] == batch["input_ids"][b, :n].tolist()]
-        assert batch["attention_mask"][b].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)  # right padding
-        expected = [t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]
-        assert batch["labels"][b].tolist() == expected + [-100] * (batch["labels"].shape[1] - n)
+    expected_targets = []
+    for b, row in enumerate(data):
+        n = len(row["input_ids"]) - 1
+        assert lengths[b] == n and mb.input_ids[b, :n].tolist() == row["input_ids"][:-1]
+        assert mb.loss_mask[b].tolist() == [bool(m) for m in row["assistant_masks"][1:]] + [False] * (mb.input_ids.shape[1] - n)
+        expected_targets += [t for t, m in zip(row["input_ids"][1:], row["assistant_masks"][1:]) if m]
+    assert mb.targets.tolist() == expected_targets
 
 
 @pytest.mark.parametrize("which", ["k3", "qwen3"])
-def test_loss_is_cross_entropy_on_assistant_tokens_only(which, k3_run, tiny_qwen3_dir, tmp_path):
-    model, tokenizer = load_model(k3_run / "init" if which == "k3" else tiny_qwen3_dir)
-    data = demonstrations("sft-toy-search", 3, 2, tokenizer)
-    cfg = sft_cfg(batch_size=3, grad_accum=1, max_steps=1, logprob_chunk_size=100)
-    trainer = make_trainer(model, tokenizer, data, cfg, tmp_path)
-    batch = {k: v for k, v in next(iter(trainer.get_train_dataloader())).items()}
-    model.eval()
-    with torch.no_grad():
-        loss = trainer.compute_loss(model, batch)
-        # By hand: each demonstration alone (no padding, no mask), full logits, CE on the assistant targets.
-        total, count = 0.0, 0
+def test_loss_is_cross_entropy_on_assistant_tokens_only(which, k3_run, tiny_qwen3_dir):
+    """The learner's `nll` loss on three padded demonstrations equals the cross-entropy of full logits,
+    each demonstration alone, on its assistant targets (float64 weights: equal to rounding)."""
+    path = k3_run / "init" if which == "k3" else tiny_qwen3_dir
+    data = demonstrations("sft-toy-search", 3, 2, tokenizer_of(path))
+    learner = nll_learner(path, lr=0.0, micro_batch_seqs=3, logprob_chunk_size=100, dtype="float64")
+    model = learner.model
+    total, count = 0.0, 0
+    with torch.no_grad():  # before the step: it moves K3's router biases even at lr 0
         for row in data:
             ids = torch.tensor([row["input_ids"]])
-            logits = (model(ids) if which == "k3" else model(input_ids=ids)).logits[0, :-1].double()  # [T-1, V]
+            logits = (model(ids) if which == "k3" else model(input_ids=ids)).logits[0, :-1]  # [T-1, V]
             keep = torch.tensor(row["assistant_masks"][1:], dtype=torch.bool)
             total += F.cross_entropy(logits[keep], ids[0, 1:][keep], reduction="sum").item()
             count += int(keep.sum())
-    assert count == int((batch["labels"][:, 1:] != -100).sum())
-    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+    metrics = learner.train_step([as_trajectory(r["input_ids"], r["assistant_masks"]) for r in data])
+    assert metrics["micro_batches"] == 1 and metrics["skipped"] == 0
+    assert count == metrics["num_loss_tokens"]
+    assert metrics["loss"] == pytest.approx(total / count, rel=1e-9)
 
 
 @pytest.mark.parametrize("which", ["k3", "qwen3"])
-def test_gradient_accumulation_equals_one_batch(which, k3_run, tiny_qwen3_dir, tmp_path):
-    """One SGD step on 4 demonstrations of unequal length: 1×4, 2×2 and 4×1 (micro-batch × accumulation)
-    give the same weights (and, for K3, the same router biases: padding stays out of the balancing)."""
+def test_gradient_accumulation_equals_one_batch(which, k3_run, tiny_qwen3_dir):
+    """One step on 4 demonstrations of unequal length: micro-batches of 4, 2 and 1 (`sft.batch_size`)
+    give the same weights (and, for K3, the same router biases: padding stays out of the balancing).
+    AdamW with ε = 1 makes the first update ≈ lr·g, so equal gradients mean equal weights."""
     path = k3_run / "init" if which == "k3" else tiny_qwen3_dir
-    _, tokenizer = load_model(path)
-    data = demonstrations("sft-toy-search", 4, 3, tokenizer)
+    data = demonstrations("sft-toy-search", 4, 3, tokenizer_of(path))
+    examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in data]
     states = []
-    for micro, accum in ((4, 1), (2, 2), (1, 4)):
-        model, tokenizer = load_model(path)
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        trainer = make_trainer(model, tokenizer, data, sft_cfg(batch_size=micro, grad_accum=accum, max_steps=1, lr=0.5,
-                                                               max_grad_norm=0.0), tmp_path / f"{micro}x{accum}",
-                               optim="sgd")
-        trainer.train()
-        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for micro in (4, 2, 1):
+        learner = nll_learner(path, lr=0.5, adam_eps=1.0, max_grad_norm=0.0, micro_batch_seqs=micro)
+        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        metrics = learner.train_step(examples)
+        assert metrics["micro_batches"] == 4 // micro
+        states.append({k: v.detach().clone() for k, v in learner.model.state_dict().items()})
     moved = max((states[0][k] - before[k]).abs().max().item() for k in before)
     assert moved > 1e-3
     for other in states[1:]:
         for k, v in states[0].items():
             torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_step_batches_cover_each_epoch_once_in_a_seeded_order():
+    batches = step_batches(10, 4, 7, seed=3)
+    assert [len(b) for b in batches] == [4, 4, 2, 4, 4, 2, 4]
+    for epoch in (batches[0:3], batches[3:6]):
+        assert sorted(i for b in epoch for i in b) == list(range(10))
+    assert batches[:3] != batches[3:6]  # a fresh order every epoch
+    assert step_batches(10, 4, 7, seed=3) == batches and step_batches(10, 4, 7, seed=4) != batches
 
 
 def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
@@ -270,7 +291,7 @@ def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
     for name in ("config.yaml", "demos.json", "metrics.jsonl", "loss.png", "eval.json",
                  "model/config.json", "model/model.safetensors", "model/tokenizer.json", "init/config.json"):
         assert (k3_run / name).is_file(), name
-    assert list((k3_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((k3_run / "tb").glob("events.out.tfevents.*"))
     assert json.loads((k3_run / "demos.json").read_text())["kept"] == 4
     logs = [json.loads(line) for line in (k3_run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in logs if "loss" in r]
@@ -292,22 +313,22 @@ def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
     assert nll["model"] < nll["init"] - 0.5
 
 
-def test_sft_teaches_the_tool_protocol(tiny_qwen3_dir, tmp_path):
-    """A random tiny Qwen3 never writes a tool call; after 40 SFT steps on 8 demonstrations its greedy
-    rollouts (TorchEngine + AgentLoop) on those tasks call tools well-formed on every turn and solve them."""
-    model, tokenizer = load_model(tiny_qwen3_dir)
+def test_sft_teaches_the_tool_protocol(tiny_qwen3_dir):
+    """A random tiny Qwen3 never writes a tool call; after 40 steps of the learner's `nll` objective on 8
+    demonstrations its greedy rollouts (TorchEngine + AgentLoop) on those tasks call tools well-formed on
+    every turn and solve them."""
+    tokenizer = tokenizer_of(tiny_qwen3_dir)
+    learner = nll_learner(tiny_qwen3_dir, lr=3e-3, lr_scheduler="constant_with_warmup", warmup_steps=5,
+                          micro_batch_seqs=8)
     tasks = toy_tasks(8, seed=0)
     kwargs = dict(max_new_tokens=96, max_turns=4, max_context_tokens=1024)
-    before = evaluate_greedy(model, tokenizer, "sft-toy-search", tasks, **kwargs)
+    before = evaluate_greedy(learner.model, tokenizer, "sft-toy-search", tasks, **kwargs)
     assert before["first_turn_well_formed"] == 0.0 and before["success"] == 0.0
     report = collect_demonstrations("sft-toy-search", 8, 0, tokenizer, tasks=tasks)
-    from datasets import Dataset
-
-    trainer = make_trainer(model, tokenizer, Dataset.from_list(report.rows),
-                           sft_cfg(batch_size=8, grad_accum=1, max_steps=40, lr=3e-3, warmup_steps=5, logging_steps=10),
-                           tmp_path)
-    trainer.train()
-    after = evaluate_greedy(trainer.model, tokenizer, "sft-toy-search", tasks, **kwargs)
+    examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in report.rows]
+    rows = train_supervised(learner, examples, step_batches(len(examples), 8, 40, seed=0), lambda *_: None, 10)
+    assert [r["step"] for r in rows] == [1, 10, 20, 30, 40] and rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    after = evaluate_greedy(learner.model, tokenizer, "sft-toy-search", tasks, **kwargs)
     assert after["first_turn_well_formed"] == 1.0 and after["turns_well_formed"] == 1.0
     assert after["success"] >= 0.75, after
 

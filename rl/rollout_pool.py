@@ -1,13 +1,13 @@
 """`RolloutPool`: the rollout actors of a run, their weights and the collections in flight on them.
 
-The trainer (rl/trainer.py) decides *what* to collect and what to do with it; the pool owns *how*:
+The collector (rl/collector.py) decides *what* to collect and where it goes; the pool owns *how*:
 - one `RolloutWorker` actor per slot (rollout/worker.py), each seeded apart from every earlier one
   (`spec.seed + 7919 · n` for the n-th actor ever spawned) and placed with Ray's SPREAD strategy;
 - weight pushes: the learner's weights go to the object store once and are queued on every actor
   with their version; a slot remembers the version its actor will hold when it runs the next call,
   and a collection's sampled tokens must all carry exactly that version (`WeightSyncError` otherwise);
 - dead actors: a slot whose actor died is given a new actor holding the current weights (at most
-  `max_restarts` times per run); the collection it was running is handed back as lost, so the trainer
+  `max_restarts` times per run); the collection it was running is handed back as lost, so the collector
   queues its tasks again;
 - `dispatch` / `wait`: one `collect` call per idle slot, and the finished ones taken in together.
 

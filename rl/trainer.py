@@ -5,7 +5,8 @@ creates `rollout.num_workers` rollout actors (engine `rollout.engine`) and a `Le
 `rl.num_learners` ranks, and runs `rl.steps` steps. It never looks inside an algorithm: the
 learner computes advantages and losses (`algo.name`); the driver moves trajectories and weights.
 
-One step:
+One step (`_train_step`; the collector, rl/collector.py, decides what the workers collect and routes
+what comes back; the pool, rl/rollout_pool.py, owns the actors):
 1. collect until the buffer holds `rl.tasks_per_step` groups (`rl.group_size` samples per task)
    within the staleness bound; tasks come from a shuffled pass over the training tasks (one fixed
    permutation per epoch, so the cursor alone says where the run is);
@@ -51,7 +52,8 @@ the learner and driver states are restored, weights are pushed, metrics.jsonl is
 checkpoint's step and appended to. A fresh run refuses a run directory that already holds one.
 
 Metrics of a step (metrics.jsonl; TensorBoard gets the numbers): `reward/*`, `success/rate`
-(the environment's success rule, rl/evaluate.py), `evidence_recall/mean` (when the environment reports it),
+(the environment's success rule, rl/evaluate.py), `rewards/<component>` (the batch mean of every numeric
+reward component the environment reports: exact match, F1, evidence recall, …),
 `episode/*` (tokens, sampled tokens, turns, tool calls, truncated fraction), `groups/*`,
 `staleness/mean|max`, `buffer/*`, `workers/restarts`, `policy/version`, `train/*` (everything
 the learner reports: loss, `mismatch_kl`, `kl_ref`, clip fractions, grad norm, `maxvio/<layer>`
@@ -71,12 +73,11 @@ causal LM). Training tasks are `env.tasks(env.num_tasks, seed=run.seed)` or the 
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -85,7 +86,8 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from rl.buffer import Taken, TrajectoryBuffer
+from rl.buffer import Taken
+from rl.collector import Collector
 from rl.cluster import init_ray
 from rl.config import ConfigError, JobConfig, load_config, to_yaml
 from rl.evaluate import is_success, score, success_rule
@@ -150,7 +152,6 @@ class Trainer:
         """The reward component whose value ≥ 1 is a success (None: reward ≥ 1), rl/evaluate.py."""
         self.train_tasks, self.eval_tasks = self._load_tasks(env)
         self.max_staleness = rl.max_staleness if rl.mode == "async" else 0
-        self.chunk_tasks = math.ceil(rl.tasks_per_step / ro.num_workers)
         self.spec = WorkerSpec(
             model_dir=str(rl.model_path), env=en.name, engine=str(ro.engine), env_kwargs=self.env_args,
             engine_kwargs=OmegaConf.to_container(ro.engine_args, resolve=True),
@@ -162,16 +163,8 @@ class Trainer:
 
         self.step = 0
         self.version = 0
-        self.cursor = 0
-        """Training tasks handed out so far, over all epochs."""
-        self.requeue: deque[tuple[str, Any]] = deque()
-        """Tasks whose collection was lost with a worker, handed out again before new ones."""
-        self.buffer = TrajectoryBuffer()
         self.resumed_from: Optional[Path] = latest
         self.restored_trajectories = 0
-        self._eval_pending: deque[list[tuple[str, Any]]] = deque()
-        self._eval_results: list = []
-        self._gen_tokens = 0
         self._tok: Any = None
 
         self._owns_ray = not ray.is_initialized()
@@ -188,6 +181,9 @@ class Trainer:
         self.pool = RolloutPool(self.spec, ro.num_workers, ro.num_cpus, ro.num_gpus,
                                 max_restarts=ro.max_restarts, runtime_env=worker_env,
                                 log=lambda line: self.logger.print(line) if self.logger is not None else None)
+        self.collector = Collector(self.pool, self.train_tasks, seed=cfg.run.seed, group_size=rl.group_size,
+                                   tasks_per_step=rl.tasks_per_step, max_staleness=self.max_staleness,
+                                   eval_sampling=self.eval_sampling)
         try:
             self._check_resources()
             learner_cfg = LearnerConfig.from_job(cfg, rl.model_path)
@@ -328,82 +324,18 @@ class Trainer:
                 raise ConfigError(f"{kind} task ids must be unique; repeated: {', '.join(repeated[:5])}")
         return named
 
-    # ---- workers and weights
-
     @property
     def worker_actors(self) -> list:
         return self.pool.actors
 
+    @property
+    def buffer(self):
+        """The collected groups waiting to be trained (rl/buffer.py, owned by the collector)."""
+        return self.collector.buffer
+
     def _push_weights(self, blocking: bool) -> None:
         """The learner's weights (with its version) to every rollout worker; `blocking` waits for each."""
         self.pool.push_weights(self.learner.named_weights(), self.version, blocking)
-
-    # ---- collection
-
-    def _next_tasks(self, k: int) -> list[tuple[str, Any]]:
-        """k training tasks: first any waiting to be collected again, then the shuffled pass at the cursor."""
-        out = []
-        while self.requeue and len(out) < k:
-            out.append(self.requeue.popleft())
-        n = len(self.train_tasks)
-        while len(out) < k:
-            epoch, i = divmod(self.cursor, n)
-            order = np.random.default_rng([self.cfg.run.seed, epoch]).permutation(n)
-            out.append(self.train_tasks[int(order[i])])
-            self.cursor += 1
-        return out
-
-    def _dispatch(self, slot: Any, kind: str, tasks: list[tuple[str, Any]]) -> None:
-        if kind == "train":
-            # a call spanning two epochs may hold a task twice: its second group gets its own id
-            seen: Counter = Counter()
-            named = []
-            for task_id, task in tasks:
-                seen[task_id] += 1
-                named.append((task_id if seen[task_id] == 1 else f"{task_id}#{seen[task_id]}", task))
-            self.pool.dispatch(slot, "train", tasks, self.rl.group_size, named=named)
-        else:
-            self.pool.dispatch(slot, "eval", tasks, 1, prefix=f"eval{self.step}/", sampling=self.eval_sampling)
-
-    def _fill(self, target_groups: int) -> None:
-        """Hand training tasks to idle workers while waiting + in-flight groups stay below `target_groups`."""
-        missing = target_groups - self.buffer.available(self.version, self.max_staleness) - self.pool.in_flight("train")
-        for slot in self.pool.idle():
-            if missing <= 0:
-                break
-            k = min(self.chunk_tasks, missing)
-            self._dispatch(slot, "train", self._next_tasks(k))
-            missing -= k
-
-    def _wait(self, timeout: Optional[float] = None) -> int:
-        """Wait for at least one collection (or `timeout`) and route every finished one: training groups to
-        the buffer, held-out episodes to the evaluation; a collection lost with its actor is queued again."""
-        finished = self.pool.wait(timeout)
-        for f in finished:
-            chunk, trajectories = f.chunk, f.trajectories
-            if trajectories is None:
-                if chunk.kind == "train":
-                    self.requeue.extendleft(reversed(chunk.tasks))
-                else:
-                    self._eval_pending.appendleft(chunk.tasks)
-            elif chunk.kind == "train":
-                self.buffer.add(trajectories)
-                self._gen_tokens += sum(t.num_sampled for t in trajectories)
-            else:
-                self._eval_results.extend(trajectories)
-        return len(finished)
-
-    def _collect(self) -> None:
-        """Until `tasks_per_step` groups within the bound wait in the buffer."""
-        n = self.rl.tasks_per_step
-        target = n * (1 + self.max_staleness) if self.rl.mode == "async" else n
-        while self.buffer.available(self.version, self.max_staleness) < n:
-            self._fill(target)
-            self._wait()
-
-    def _drain(self) -> None:
-        while self.pool.busy():
-            self._wait()
 
     # ---- the loop
 
@@ -420,16 +352,15 @@ class Trainer:
         return self.run_dir
 
     def _train_step(self) -> None:
-        rl = self.rl
+        rl, collector = self.rl, self.collector
         start = time.perf_counter()
-        self._gen_tokens = 0
-        self._collect()
+        collector.gen_tokens = 0
+        collector.collect(self.version)
         waited = time.perf_counter() - start
         learner_version = self.version
-        taken = self.buffer.take(rl.tasks_per_step, learner_version, self.max_staleness)
+        taken = collector.take(learner_version)
         if rl.mode == "async":
-            # this step's update will raise the version by one before anything collected now is trained
-            self._fill(rl.tasks_per_step * self.max_staleness)
+            collector.prefetch_while_training(learner_version)
         t0 = time.perf_counter()
         learner_metrics = self.learner.train_step(taken.trajectories)
         train_s = time.perf_counter() - t0
@@ -437,13 +368,13 @@ class Trainer:
         self.step += 1
         t0 = time.perf_counter()
         if rl.mode == "async":
-            self._wait(timeout=0)
+            collector.wait(timeout=0)
         self._push_weights(blocking=rl.mode == "sync")
         sync_s = time.perf_counter() - t0
         elapsed = time.perf_counter() - start
         scalars = self._step_metrics(taken, learner_version, learner_metrics)
         scalars.update({"perf/step_time_s": elapsed, "perf/rollout_wait_s": waited, "perf/train_s": train_s,
-                        "perf/weight_sync_s": sync_s, "perf/gen_tokens_per_s": self._gen_tokens / elapsed,
+                        "perf/weight_sync_s": sync_s, "perf/gen_tokens_per_s": collector.gen_tokens / elapsed,
                         "perf/train_tokens_per_s": float(learner_metrics.get("train_tokens_per_s", 0.0))})
         last = self.step == rl.steps
         if self.eval_tasks and self.cfg.eval.every > 0 and (self.step % self.cfg.eval.every == 0 or last):
@@ -485,25 +416,17 @@ class Trainer:
             "buffer/waiting_groups": float(len(self.buffer)),
             "workers/restarts": float(self.pool.restarts), "policy/version": float(self.version),
         }
-        recall = [t.rewards["evidence_recall"] for t in trajs if "evidence_recall" in t.rewards]
-        if recall:
-            out["evidence_recall/mean"] = float(np.mean(recall))
+        components = sorted({k for t in trajs for k, v in t.rewards.items() if isinstance(v, (int, float))})
+        for key in components:  # whatever the environment reports (exact match, F1, evidence recall, …)
+            out[f"rewards/{key}"] = float(np.mean([t.rewards[key] for t in trajs if key in t.rewards]))
         for key, value in learner_metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "version":
                 out[f"train/{key}"] = float(value)
         return out
 
     def _evaluate(self) -> dict[str, float]:
-        """Held-out tasks, one greedy (or `eval_temperature`) episode each, spread over the workers."""
-        size = math.ceil(len(self.eval_tasks) / len(self.pool.slots))
-        self._eval_pending = deque(self.eval_tasks[i:i + size] for i in range(0, len(self.eval_tasks), size))
-        self._eval_results = []
-        while self._eval_pending or self.pool.in_flight("eval"):
-            for slot in self.pool.idle():
-                if self._eval_pending:
-                    self._dispatch(slot, "eval", self._eval_pending.popleft())
-            self._wait()
-        results, self._eval_results = self._eval_results, []
+        """Held-out tasks, one greedy (or `eval.temperature`) episode each, spread over the workers."""
+        results = self.collector.evaluate(self.eval_tasks, self.step)
         write_eval_episodes(self.run_dir, self.step, results, self._tokenizer())
         return score(results, self.success_key).metrics("eval/")
 
@@ -521,15 +444,10 @@ class Trainer:
         """Checkpoint the learner and the driver at the current step (collections in flight are awaited first)."""
         from rl import checkpoint as ckpt
 
-        self._drain()
+        self.collector.drain()
         with self.checkpoints.begin(self.step) as tmp:
             self.learner.save_into(tmp)
-            ckpt.save_trainer_state(tmp, {
-                "step": self.step, "version": self.version, "cursor": self.cursor,
-                **self.pool.state_dict(),
-                "requeue": list(self.requeue), "unconsumed": self.buffer.trajectories(),
-                "dropped_groups": self.buffer.dropped_groups,
-                "dropped_trajectories": self.buffer.dropped_trajectories})
+            ckpt.save_trainer_state(tmp, {"step": self.step, "version": self.version, **self.collector.state_dict()})
         return self.checkpoints.root / ckpt.step_dir_name(self.step)
 
     def _restore(self, path: Path) -> None:
@@ -540,11 +458,8 @@ class Trainer:
         if int(state["version"]) != version:
             raise ckpt.CorruptCheckpointError(f"{path}: the learner is at version {version}, the trainer state "
                                               f"says {state['version']}")
-        self.step, self.version, self.cursor = int(state["step"]), version, int(state["cursor"])
-        self.pool.load_state_dict(state)
-        self.requeue = deque(tuple(t) for t in state["requeue"])
-        self.buffer.load_state_dict({"trajectories": state["unconsumed"], "dropped_groups": state["dropped_groups"],
-                                     "dropped_trajectories": state["dropped_trajectories"]})
+        self.step, self.version = int(state["step"]), version
+        self.collector.load_state_dict(state)
         self.restored_trajectories = self.buffer.num_trajectories
 
     def close(self) -> None:

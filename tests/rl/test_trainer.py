@@ -192,7 +192,7 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
     assert "eval/success_rate" in rows[0] and "eval/success_rate" in rows[2] and rows[2]["eval/num_tasks"] == 2
     assert rows[2]["eval/ci_low"] <= rows[2]["eval/success_rate"] <= rows[2]["eval/ci_high"]
     for r in rows[1:]:
-        for key in ("reward/mean", "success/rate", "evidence_recall/mean", "episode/tokens", "episode/tool_calls",
+        for key in ("reward/mean", "success/rate", "rewards/evidence_recall", "episode/tokens", "episode/tool_calls",
                     "train/mismatch_kl", "staleness/mean", "staleness/max", "groups/zero_variance",
                     "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/step_time_s"):
             assert key in r, key

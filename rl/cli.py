@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("rl.quickstart:main", "quickstart [CONFIG] [key=value…]: the main job — tiny K3 from scratch, SFT, "
                    "GRPO on Ray, held-out success before/after RL"),
     "train": ("rl.trainer:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
+    "eval": ("rl.longctx_eval:main", "eval CONFIG [key=value…]: long-context evidence retrieval, families × lengths × "
+                                     "servings, with oracle and closed-book baselines"),
     "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (the learner, nll objective)"),
     "params": ("model.cli:params_main", "params CONFIG [key=value…] [--json]: total and active parameters by component"),
     "init": ("model.cli:init_main", "init CONFIG OUT_DIR [key=value…]: random-init K3 model (+ tokenizer) as an HF dir"),

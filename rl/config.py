@@ -268,11 +268,22 @@ class EvalConfig:
     temperature: float = 0.0
     """Sampling temperature of evaluation (0: greedy)."""
     families: list[str] = field(default_factory=lambda: ["needle", "multihop"])
-    """Long-context task families to evaluate."""
+    """Long-context task families of `k3rl eval` (envs/longctx/: needle, multihop, aggregate, ith)."""
     context_lengths: list[int] = field(default_factory=lambda: [4096])
-    """Haystack lengths (tokens) of the long-context evaluation."""
-    serve: str = "context"
-    """`context` (haystack in the prompt) or `search` (haystack behind the search tool)."""
+    """Lengths (tokens of the in-context prompt, counted with the evaluated model's tokenizer) of `k3rl eval`'s grid."""
+    serve: list[str] = field(default_factory=lambda: ["context"])
+    """Servings of `k3rl eval`: `context` (haystack in the prompt) and/or `search` (behind the search tool)."""
+    model_path: Optional[str] = None
+    """`k3rl eval`: the HF model directory evaluated (K3 or any HF causal LM, native engine); null: only the baselines."""
+    baselines: list[str] = field(default_factory=lambda: ["oracle", "closed_book"])
+    """`k3rl eval`: reference policies run on the same tasks — `oracle` (the ceiling) and `closed_book` (answers
+    at once with another task's answer: the floor)."""
+    batch_size: int = 8
+    """`k3rl eval`: episodes per engine batch (and per resume point)."""
+    depth_bins: int = 3
+    """`k3rl eval`: bins of evidence depth (position of the first evidence passage in the haystack) in the heatmaps."""
+    effective_ratio: float = 0.85
+    """Effective length = the longest length whose success is ≥ this × the success at the shortest length."""
 
 
 @dataclass

@@ -1,0 +1,505 @@
+"""Long-context evidence-retrieval evaluation (`k3rl eval CONFIG [key=value …]`).
+
+The grid: `eval.families` (envs/longctx/) × `eval.serve` (in context, or behind the search tool over
+the same haystack) × `eval.context_lengths` (tokens of the in-context prompt, counted with the
+evaluated model's tokenizer), `eval.num_tasks` tasks per cell, deterministic in `eval.seed`. Each task
+also records its evidence depth (where the first evidence passage sits in the haystack, 0 = start).
+
+Who is evaluated on the same tasks ("runners"): the model of `eval.model_path` through the native engine
+(rollout/torch_engine.py, greedy, the rollout limits of `rollout:`; its tokenizer counts the lengths), and
+the baselines of
+`eval.baselines` — the environment's `oracle` (the ceiling) and `closed_book` (answers at once with
+another task's answer, envs/teachers.py: the floor) — so a reader sees the scale.
+
+Scoring is rl/evaluate.py's `score` (success by the environment's rule with a Wilson interval, every
+reward component — EM, F1, evidence recall — with its interval, tool calls), per cell and runner, plus
+prompt tokens, tokens the model read and wall time. Effective length (per runner, family and serving):
+the longest length whose success is ≥ `eval.effective_ratio` × the success at the shortest length.
+
+Outputs under `run.output_dir/run.name/`: `tasks.jsonl` (one row per task and runner: the task, its
+metrics, the transcript after the prompt — the prompt is regenerated from the task), `results.json`,
+`results.md` (a table), `heatmap.png` (success by length × depth per family and serving). Rows are
+appended and flushed as they finish: an interrupted eval started again with the same config skips every
+finished task and never repeats one. A task the model cannot hold (prompt longer than
+`rollout.max_context_tokens` or the model's positions) or whose episode fails is an error row; the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from rl.config import ConfigError, JobConfig
+
+TASKS_FILE = "tasks.jsonl"
+SERVINGS = ("context", "search")
+BASELINES = ("oracle", "closed_book")
+REPORTED = ("em", "f1", "evidence_recall", "evidence_recall_at_5", "search_calls", "open_calls")
+"""The reward components and counters a task row keeps (the environments report them; rl/evaluate.py scores them)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: str
+    serve: str
+    length: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.serve}/{self.length}"
+
+
+@dataclass
+class GridTask:
+    """One task of the grid: its cell, id, the environment's task dict, and what its instance looks like."""
+
+    cell: Cell
+    task_id: str
+    task: dict[str, Any]
+    depth: float
+    """Position of the first evidence passage in the haystack, in [0, 1] (NaN when it has none: unanswerable)."""
+    prompt_tokens: int
+
+
+def check(cfg: Any) -> None:
+    """Named errors for an eval config that cannot run, before anything is written."""
+    from envs.longctx.families import FAMILIES
+
+    ev = cfg.eval
+    unknown = [f for f in ev.families if f not in FAMILIES]
+    if unknown or not ev.families:
+        raise ConfigError(f"eval.families: {unknown or 'empty'}; choose from {', '.join(FAMILIES)}")
+    bad = [s for s in ev.serve if s not in SERVINGS]
+    if bad or not ev.serve:
+        raise ConfigError(f"eval.serve: {bad or 'empty'}; choose from {', '.join(SERVINGS)}")
+    bad = [b for b in ev.baselines if b not in BASELINES]
+    if bad:
+        raise ConfigError(f"eval.baselines: {bad}; choose from {', '.join(BASELINES)}")
+    if not ev.context_lengths or any(int(n) < 256 for n in ev.context_lengths):
+        raise ConfigError(f"eval.context_lengths: each ≥ 256 tokens, got {list(ev.context_lengths)}")
+    for key in ("num_tasks", "batch_size", "depth_bins"):
+        if getattr(ev, key) < 1:
+            raise ConfigError(f"eval.{key}: must be ≥ 1, got {getattr(ev, key)}")
+    if not 0 < ev.effective_ratio <= 1:
+        raise ConfigError(f"eval.effective_ratio: in (0, 1], got {ev.effective_ratio}")
+    if ev.model_path is None:
+        raise ConfigError("eval.model_path: set the HF model directory to evaluate (`k3rl init`, `k3rl sft`, a "
+                          "checkpoint, or any HF causal LM); its tokenizer also counts the context lengths")
+    path = Path(ev.model_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"eval.model_path: no Hugging Face model at {path} (config.json missing)")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"eval.model_path: {path} has no tokenizer")
+
+
+def env_kwargs(cfg: Any, cell: Cell, tokenizer: Any) -> dict[str, Any]:
+    """Constructor arguments of a cell's environment: `env.args` when `env.name` is that family (minus the
+    grid's own keys), the cell's serving and length, and the tokenizer lengths are counted with."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(cfg.env.args, resolve=True) if cfg.env.name == cell.family else {}
+    base = {k: v for k, v in (base or {}).items() if k not in ("serve", "length", "tokenizer")}
+    return {**base, "serve": cell.serve, "length": cell.length, "tokenizer": tokenizer}
+
+
+def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
+    """Every task of the grid, in cell order (family, serving, length), deterministic in `eval.seed`."""
+    import envs
+
+    ev, out = cfg.eval, []
+    for family in ev.families:
+        for serve in ev.serve:
+            for length in ev.context_lengths:
+                cell = Cell(family, serve, int(length))
+                env = envs.make(family, **env_kwargs(cfg, cell, tokenizer))
+                # the same task seeds at every length and serving: cells differ only in the haystack
+                for i, task in enumerate(env.tasks(ev.num_tasks, seed=ev.seed)):
+                    task = {**task, "length": cell.length}
+                    inst = env.instance(task)
+                    ids = [p for p, _ in inst.passages]
+                    first = min((ids.index(e) for e in inst.evidence if e in ids), default=None)
+                    depth = math.nan if first is None else first / max(1, len(ids) - 1)
+                    out.append(GridTask(cell, f"{cell.name}/{i}", task, depth, int(inst.meta["tokens"])))
+    return out
+
+
+# ---- per-task results (append-only, resumable)
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a tasks.jsonl (a line torn by a crash is dropped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class RowWriter:
+    """Appends rows to tasks.jsonl, flushed and fsynced per batch, after cutting a torn last line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.is_file():
+            text = path.read_text()
+            if text and not text.endswith("\n"):
+                keep = text[:text.rfind("\n") + 1]
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text(keep)
+                os.replace(tmp, path)
+        self._file = open(path, "a")
+
+    def write(self, rows: Iterable[dict[str, Any]]) -> None:
+        for row in rows:
+            self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _row(runner: str, gt: GridTask, reward: float, rewards: dict, metrics: dict, seconds: float,
+         transcript: str, success_key: Optional[str], error: str = "") -> dict[str, Any]:
+    from rl.evaluate import is_success
+
+    numeric = {k: float(v) for k, v in rewards.items() if k in REPORTED and isinstance(v, (int, float))
+               and not isinstance(v, bool)}
+    ok = (not error) and is_success(_Episode(reward, numeric), success_key)
+    return {"runner": runner, "task_id": gt.task_id, "family": gt.cell.family, "serve": gt.cell.serve,
+            "length": gt.cell.length, "task": gt.task, "depth": None if math.isnan(gt.depth) else gt.depth,
+            "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
+            "tool_calls": float(metrics.get("tool_calls", 0.0)),
+            "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
+            "error": error, "transcript": transcript}
+
+
+@dataclass
+class _Episode:
+    reward: float
+    rewards: dict
+    metrics: Optional[dict] = None
+
+
+# ---- runners
+
+def run_baseline(name: str, cfg: Any, cell_tasks: Sequence[GridTask], tokenizer: Any) -> list[dict[str, Any]]:
+    """The `oracle` or `closed_book` policy on the tasks of one cell (envs.base.run_episode)."""
+    import random
+
+    import envs
+    from envs.base import Budget, as_token_counter, run_episode
+    from envs.teachers import ClosedBookPolicy, terminal_call
+    from rl.evaluate import success_rule
+
+    cell = cell_tasks[0].cell
+    env = envs.make(cell.family, **env_kwargs(cfg, cell, tokenizer))
+    key = success_rule(env, cfg.env.success_key)
+    budget = Budget(**{**vars(env.budget), "max_turns": cfg.rollout.max_turns})
+    count = as_token_counter(tokenizer)
+    guesses = []
+    if name == "closed_book":  # another task's final call: an answer of the right kind, not this task's
+        for gt in cell_tasks:
+            result = run_episode(env, gt.task, env.oracle(gt.task), budget, count)
+            guesses.append(terminal_call(env, result.messages))
+    rng = random.Random(f"closed_book:{cfg.eval.seed}:{cell.name}")
+    rows = []
+    for i, gt in enumerate(cell_tasks):
+        started = time.perf_counter()
+        try:
+            if name == "oracle":
+                policy = env.oracle(gt.task)
+            else:
+                others = [g for j, g in enumerate(guesses) if j != i and g is not None]
+                policy = ClosedBookPolicy(rng.choice(others)) if others else (lambda messages: "unanswerable")
+            result = run_episode(env, gt.task, policy, budget, count)
+            info = result.info
+            observed = sum(count(m["content"]) for m in result.messages if m["role"] == "tool")
+            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": gt.prompt_tokens + observed}
+            rewards = {k: v for k, v in info.items() if k in REPORTED}
+            transcript = "\n".join(f"[{m['role']}] {m['content']}" for m in result.messages[2:])
+            rows.append(_row(name, gt, result.reward, rewards, metrics, time.perf_counter() - started, transcript, key))
+        except Exception as e:  # one task's failure is its row, not the run's end
+            rows.append(_row(name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
+                             error=f"{type(e).__name__}: {e}"))
+    return rows
+
+
+class ModelRunner:
+    """The evaluated model on the native engine, greedy; one AgentLoop per cell."""
+
+    def __init__(self, cfg: Any, model_path: str):
+        import torch
+        from transformers import AutoTokenizer
+
+        from model.policy import load_policy
+
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.policy = load_policy(model_path, torch.float32, cfg.run.device)
+        self.model = self.policy.model.eval()
+        text = self.model.config.get_text_config()
+        self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
+
+    def limit(self) -> int:
+        """The longest context the engine may build: `rollout.max_context_tokens`, within the model's positions."""
+        limit = int(self.cfg.rollout.max_context_tokens)
+        return min(limit, self.max_positions) if self.max_positions else limit
+
+    def run(self, cell_tasks: Sequence[GridTask]) -> list[dict[str, Any]]:
+        import envs
+        from envs.base import Budget
+        from rl.evaluate import success_rule
+        from rollout.agent_loop import AgentLoop, EpisodeRequest
+        from rollout.engine import SamplingParams
+        from rollout.torch_engine import TorchEngine
+
+        cfg, cell = self.cfg, cell_tasks[0].cell
+        kwargs = env_kwargs(cfg, cell, self.tokenizer)
+        env0 = envs.make(cell.family, **kwargs)
+        key = success_rule(env0, cfg.env.success_key)
+        rows, runnable = [], []
+        # the prompt is the haystack plus the chat scaffolding and the system message: leave room to answer
+        room = int(cfg.rollout.max_new_tokens)
+        for gt in cell_tasks:
+            need = gt.prompt_tokens + room if cell.serve == "context" else room
+            if need > self.limit():
+                rows.append(_row("model", gt, 0.0, {}, {}, 0.0, "", key, error=(
+                    f"prompt of {gt.prompt_tokens} tokens + {room} to answer exceeds the context limit "
+                    f"{self.limit()} (rollout.max_context_tokens, the model's max_position_embeddings "
+                    f"{self.max_positions})")))
+            else:
+                runnable.append(gt)
+        if not runnable:
+            return rows
+        budget = Budget(**{**vars(env0.budget), "max_turns": cfg.rollout.max_turns})
+        loop = AgentLoop(TorchEngine(self.model, self.tokenizer, device=cfg.run.device), self.tokenizer,
+                         lambda: envs.make(cell.family, **kwargs), SamplingParams(temperature=0.0, max_tokens=room),
+                         budget=budget, max_context_tokens=self.limit(), env_name=cell.family)
+        started = time.perf_counter()
+        try:
+            trajectories = loop.run([EpisodeRequest(gt.task, gt.task_id, gt.task_id) for gt in runnable])
+        except Exception as e:  # the batch failed (e.g. out of memory): every task of it is an error row
+            seconds = time.perf_counter() - started
+            return rows + [_row("model", gt, 0.0, {}, {}, seconds / len(runnable), "", key,
+                                error=f"{type(e).__name__}: {e}") for gt in runnable]
+        seconds = (time.perf_counter() - started) / len(runnable)
+        for gt, t in zip(runnable, trajectories):
+            prompt = t.prompt_len
+            transcript = self.tokenizer.decode(t.tokens[prompt:].tolist(), skip_special_tokens=False)
+            metrics = {"tool_calls": t.metrics.get("tool_calls", 0.0), "tokens_read": float(len(t.tokens) - t.num_sampled)}
+            rows.append(_row("model", gt, t.reward, t.rewards, metrics, seconds, transcript, key))
+        return rows
+
+
+# ---- aggregation and reports
+
+def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> dict[str, Any]:
+    """Per runner and cell: `rl.evaluate.score` of the rows without an error, error count, means of tokens and
+    time; per runner, family and serving: the effective length; per cell: success by depth bin."""
+    from rl.evaluate import Score, score
+
+    by_cell: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_cell.setdefault((r["runner"], r["family"], r["serve"], r["length"]), []).append(r)
+    cells = []
+    for (runner, family, serve, length), group in sorted(by_cell.items()):
+        ok = [r for r in group if not r["error"]]
+        s: Score = score([_Episode(r["reward"], r["rewards"], {"tool_calls": r["tool_calls"]}) for r in ok],
+                         None if not ok else _success_key(ok))
+        bins: list[list[int]] = [[0, 0] for _ in range(depth_bins)]
+        for r in ok:
+            if r["depth"] is not None:
+                b = min(depth_bins - 1, int(r["depth"] * depth_bins))
+                bins[b][0] += int(r["success"])
+                bins[b][1] += 1
+        n = max(1, len(ok))
+        cells.append({"runner": runner, "family": family, "serve": serve, "length": length, "tasks": len(group),
+                      "errors": len(group) - len(ok), "successes": sum(r["success"] for r in ok),
+                      "success": s.rate if ok else math.nan, "success_ci95": list(s.interval) if ok else [0.0, 1.0],
+                      "components": {k: list(v) for k, v in s.components.items()}, "tool_calls": s.tool_calls,
+                      "prompt_tokens": sum(r["prompt_tokens"] for r in ok) / n,
+                      "tokens_read": sum(r["tokens_read"] for r in ok) / n, "seconds": sum(r["seconds"] for r in ok) / n,
+                      "by_depth": [{"successes": k, "tasks": m} for k, m in bins]})
+    effective = {}
+    for c in cells:
+        effective.setdefault((c["runner"], c["family"], c["serve"]), []).append(c)
+    lengths = [{"runner": runner, "family": family, "serve": serve,
+                "effective_length": effective_length([(c["length"], c["success"]) for c in group], ratio)}
+               for (runner, family, serve), group in sorted(effective.items())]
+    return {"cells": cells, "effective_lengths": lengths}
+
+
+def _success_key(rows: Sequence[dict]) -> Optional[str]:
+    # rows store `success` already decided by the environment's rule; score() needs the same rule: EM when
+    # every row reports it (the long-context environments' success_metric), else reward ≥ 1
+    return "em" if all("em" in r["rewards"] for r in rows) else None
+
+
+def effective_length(points: Sequence[tuple[int, float]], ratio: float) -> Optional[int]:
+    """The longest length whose score is ≥ ratio × the score at the shortest length, every shorter length
+    included (a dip breaks the run); None when the shortest length scores 0 (or has no result)."""
+    points = sorted((n, s) for n, s in points)
+    if not points or not points[0][1] or math.isnan(points[0][1]):
+        return None
+    base, best = points[0][1], None
+    for n, s in points:
+        if math.isnan(s) or s < ratio * base:
+            break
+        best = n
+    return best
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results as a Markdown table (one row per runner and cell) and the effective lengths."""
+    lines = ["| runner | family | serving | length | tasks | success [95% CI] | EM | F1 | evidence recall | "
+             "tool calls | tokens read | s/task | errors |", "|" + "---|" * 13]
+    for c in result["cells"]:
+        comp = c["components"]
+        fmt = lambda k: f"{comp[k][0]:.2f}" if k in comp else "—"  # noqa: E731
+        lo, hi = c["success_ci95"]
+        success = "—" if math.isnan(c["success"]) else f"{c['success']:.2f} [{lo:.2f}, {hi:.2f}]"
+        lines.append(f"| {c['runner']} | {c['family']} | {c['serve']} | {c['length']} | {c['tasks']} | {success} | "
+                     f"{fmt('em')} | {fmt('f1')} | {fmt('evidence_recall')} | {c['tool_calls']:.1f} | "
+                     f"{c['tokens_read']:.0f} | {c['seconds']:.2f} | {c['errors']} |")
+    lines += ["", "| runner | family | serving | effective length |", "|---|---|---|---|"]
+    for e in result["effective_lengths"]:
+        lines.append(f"| {e['runner']} | {e['family']} | {e['serve']} | {e['effective_length'] or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def heatmap(result: dict[str, Any], runner: str, path: Path, depth_bins: int) -> Optional[Path]:
+    """Success of `runner` by length (columns) × evidence depth (rows), one panel per family and serving."""
+    cells = [c for c in result["cells"] if c["runner"] == runner]
+    if not cells:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    panels = sorted({(c["family"], c["serve"]) for c in cells})
+    lengths = sorted({c["length"] for c in cells})
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1, 3.2), squeeze=False)
+    for ax, (family, serve) in zip(axes[0], panels):
+        grid = np.full((depth_bins, len(lengths)), np.nan)
+        for c in cells:
+            if (c["family"], c["serve"]) == (family, serve):
+                for b, d in enumerate(c["by_depth"]):
+                    if d["tasks"]:
+                        grid[b, lengths.index(c["length"])] = d["successes"] / d["tasks"]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
+        for (b, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, b, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+        ax.set_yticks(range(depth_bins), [f"{b / depth_bins:.0%}–{(b + 1) / depth_bins:.0%}" for b in range(depth_bins)])
+        ax.set_title(f"{family} · {serve}", fontsize=10)
+        ax.set_xlabel("context length (tokens)")
+    axes[0][0].set_ylabel("evidence depth")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=f"{runner} success (EM)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# ---- the driver
+
+def run_eval(cfg: Any) -> Path:
+    """Run (or continue) the grid of a loaded `JobConfig`; returns the output directory."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from rl.config import to_yaml
+
+    check(cfg)
+    ev = cfg.eval
+    out = Path(cfg.run.output_dir) / cfg.run.name
+    runner = ModelRunner(cfg, ev.model_path)
+    tokenizer = runner.tokenizer
+    started = time.perf_counter()
+    grid = build_grid(cfg, tokenizer)
+    print(f"k3rl eval: {len(grid)} tasks in {len(grid) // ev.num_tasks} cells, built in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    # what decides the rows (not where they are written): a resumed eval must have the same
+    from omegaconf import OmegaConf
+
+    identity = json.dumps({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("eval", "rollout", "env")},
+                          sort_keys=True, default=str)
+    saved = out / "grid.json"
+    rows = read_rows(out / TASKS_FILE)
+    if rows and saved.is_file() and saved.read_text() != identity:
+        raise ConfigError(f"{out} holds an eval of other eval/rollout/env settings; choose another run.name "
+                          f"(or delete {out})")
+    saved.write_text(identity)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    done = {(r["runner"], r["task_id"]) for r in rows}
+    runners = [("model", runner.run)] + [(b, lambda tasks, b=b: run_baseline(b, cfg, tasks, tokenizer))
+                                         for b in ev.baselines]
+    cells: dict[Cell, list[GridTask]] = {}
+    for gt in grid:
+        cells.setdefault(gt.cell, []).append(gt)
+    todo = [(name, fn, [gt for gt in tasks if (name, gt.task_id) not in done]) for name, fn in runners
+            for tasks in cells.values()]
+    total = sum(len(t) for _, _, t in todo)
+    if done:
+        print(f"resuming: {len(done)} finished task rows kept, {total} to run", flush=True)
+    writer = RowWriter(out / TASKS_FILE)
+    progress = Progress(TextColumn("[bold]eval {task.fields[cell]}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[score]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    try:
+        with progress:
+            bar = progress.add_task("tasks", total=total, cell="", score="")
+            for name, fn, tasks in todo:
+                for i in range(0, len(tasks), ev.batch_size):
+                    batch = tasks[i:i + ev.batch_size]
+                    new = fn(batch)
+                    writer.write(new)
+                    rows.extend(new)
+                    mine = [r for r in rows if r["runner"] == name and r["task_id"].startswith(batch[0].cell.name + "/")]
+                    rate = sum(r["success"] for r in mine) / max(1, len(mine))
+                    progress.update(bar, advance=len(batch), cell=f"{name} {batch[0].cell.name}",
+                                    score=f"success {rate:.2f} on {len(mine)}")
+    finally:
+        writer.close()
+    result = {"config": {"families": list(ev.families), "serve": list(ev.serve), "lengths": list(ev.context_lengths),
+                         "num_tasks": ev.num_tasks, "seed": ev.seed, "model_path": ev.model_path},
+              **aggregate(rows, ev.effective_ratio, ev.depth_bins)}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(markdown(result))
+    shown = heatmap(result, "model", out / "heatmap.png", ev.depth_bins)
+    print(markdown(result), end="", flush=True)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {shown}, {out / TASKS_FILE} "
+          f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`k3rl eval CONFIG [key=value …]`."""
+    from rl.cli import config_parser
+    from rl.config import load_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = config_parser("k3rl eval", "long-context evidence-retrieval evaluation: families × lengths × "
+                                      "servings, with oracle and closed-book baselines").parse_args(argv)
+    try:
+        run_eval(load_config(args.config, args.overrides, JobConfig))
+    except ConfigError as e:
+        print(f"k3rl eval: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

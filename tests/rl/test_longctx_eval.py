@@ -1,0 +1,121 @@
+"""`k3rl eval` (rl/longctx_eval.py) on a small grid: needle and multi-hop × in context and behind search ×
+two lengths, a random tiny K3 (built once by `k3rl init`'s function) and the oracle / closed-book baselines.
+
+Checks: every cell and runner gets its rows and outputs; the oracle solves every task, the closed-book
+floor almost none; a run interrupted mid-eval (rows cut, a torn last line) continues without repeating or
+losing a task, and the re-run tasks reproduce their first results exactly; a length the model cannot hold
+gives error rows while the rest runs; bad configs are named before anything is written."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rl.longctx_eval import effective_length, main, read_rows
+
+REPO = Path(__file__).parents[2]
+GRID = ["eval.families=[needle,multihop]", "eval.serve=[context,search]", "eval.context_lengths=[512,1024]",
+        "eval.num_tasks=3", "eval.batch_size=3", "rollout.max_new_tokens=24", "rollout.max_turns=2",
+        "rollout.max_context_tokens=2048"]
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    from rl.config import JobConfig, load_config
+    from rl.sft import init_model
+
+    cfg = load_config(REPO / "configs/model/tiny.yaml", ["model.num_hidden_layers=4",
+                                                         "model.linear_attn_config.kda_layers=[1,2,3]",
+                                                         "model.linear_attn_config.full_attn_layers=[4]"], JobConfig)
+    return init_model(cfg.model, tmp_path_factory.mktemp("eval-k3") / "model", seed=0)
+
+
+def run(out: Path, model: Path, *extra: str) -> int:
+    return main([str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={out}", "run.name=e",
+                 f"eval.model_path={model}", *GRID, *extra])
+
+
+@pytest.fixture(scope="module")
+def first_run(k3_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval-run")
+    assert run(out, k3_dir) == 0
+    return out / "e"
+
+
+def test_every_cell_and_runner_is_reported_and_the_baselines_bound_the_scale(first_run):
+    for name in ("config.yaml", "tasks.jsonl", "results.json", "results.md", "heatmap.png"):
+        assert (first_run / name).is_file(), name
+    rows = read_rows(first_run / "tasks.jsonl")
+    assert Counter(r["runner"] for r in rows) == {"model": 24, "oracle": 24, "closed_book": 24}
+    assert len({(r["runner"], r["task_id"]) for r in rows}) == len(rows)
+    result = json.loads((first_run / "results.json").read_text())
+    cells = {(c["runner"], c["family"], c["serve"], c["length"]): c for c in result["cells"]}
+    assert len(cells) == 3 * 2 * 2 * 2
+    for (runner, *_), c in cells.items():
+        assert c["tasks"] == 3 and c["errors"] == 0
+        if runner == "oracle":
+            assert c["success"] == 1.0, c
+        if runner == "closed_book":
+            assert c["success"] <= 1 / 3, c
+    # the lengths are the model tokenizer's counts of the in-context prompt
+    assert all(r["prompt_tokens"] <= r["length"] for r in rows)
+    assert {e["runner"] for e in result["effective_lengths"]} == {"model", "oracle", "closed_book"}
+    assert all(e["effective_length"] == 1024 for e in result["effective_lengths"] if e["runner"] == "oracle")
+    search_rows = [r for r in rows if r["serve"] == "search" and r["runner"] == "oracle"]
+    assert all(r["rewards"]["search_calls"] >= 1 for r in search_rows)
+    assert "| oracle | needle | context | 512 | 3 | 1.00" in (first_run / "results.md").read_text()
+
+
+def test_an_interrupted_eval_continues_without_repeating_or_losing_a_task(first_run, k3_dir, tmp_path, capsys):
+    rows = read_rows(first_run / "tasks.jsonl")
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "grid.json").write_text((first_run / "grid.json").read_text())
+    kept = rows[:10]
+    text = "".join(json.dumps(r) + "\n" for r in kept) + json.dumps(rows[10])[:40]  # a torn last line
+    (out / "tasks.jsonl").write_text(text)
+    assert run(tmp_path, k3_dir) == 0
+    assert "resuming: 10 finished task rows kept" in capsys.readouterr().out
+    again = read_rows(out / "tasks.jsonl")
+    assert len(again) == len(rows) and again[:10] == kept
+    assert sorted((r["runner"], r["task_id"]) for r in again) == sorted((r["runner"], r["task_id"]) for r in rows)
+    # deterministic: every re-run task gives exactly its first result
+    first = {(r["runner"], r["task_id"]): r for r in rows}
+    for r in again[10:]:
+        old = first[(r["runner"], r["task_id"])]
+        assert {k: v for k, v in r.items() if k != "seconds"} == {k: v for k, v in old.items() if k != "seconds"}
+
+
+def test_a_length_the_model_cannot_hold_is_an_error_row_and_the_run_goes_on(k3_dir, tmp_path):
+    assert run(tmp_path, k3_dir, "eval.families=[needle]", "eval.serve=[context]",
+               "eval.context_lengths=[512,4096]") == 0
+    rows = read_rows(tmp_path / "e" / "tasks.jsonl")
+    too_long = [r for r in rows if r["runner"] == "model" and r["length"] == 4096]
+    assert too_long and all("exceeds the context limit 2048" in r["error"] for r in too_long)
+    assert all(not r["error"] for r in rows if r["length"] == 512 or r["runner"] != "model")
+    result = json.loads((tmp_path / "e" / "results.json").read_text())
+    (cell,) = [c for c in result["cells"] if c["runner"] == "model" and c["length"] == 4096]
+    assert cell["errors"] == 3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.families=[needle,haystack]", "eval.families: ['haystack']"),
+    ("eval.serve=[context,web]", "eval.serve: ['web']"),
+    ("eval.baselines=[oracle,human]", "eval.baselines: ['human']"),
+    ("eval.context_lengths=[100]", "eval.context_lengths"),
+    ("eval.model_path=/nonexistent", "eval.model_path: no Hugging Face model"),
+])
+def test_bad_configs_are_named_before_anything_is_written(k3_dir, tmp_path, capsys, override, message):
+    assert run(tmp_path, k3_dir, override) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+def test_effective_length_is_the_longest_run_above_the_ratio():
+    assert effective_length([(1024, 0.8), (4096, 0.7), (16384, 0.5), (65536, 0.7)], 0.85) == 4096
+    assert effective_length([(1024, 0.8), (4096, 0.6)], 0.85) == 1024
+    assert effective_length([(1024, 0.0), (4096, 0.6)], 0.85) is None
+    assert effective_length([(4096, 1.0), (1024, 1.0)], 0.85) == 4096

@@ -18,7 +18,7 @@ the longest length whose success is ≥ `eval.effective_ratio` × the success at
 
 Outputs under `run.output_dir/run.name/`: `tasks.jsonl` (one row per task and runner: the task, its
 metrics, the transcript after the prompt — the prompt is regenerated from the task), `results.json`,
-`results.md` (a table), `heatmap.png` (success by length × depth per family and serving). Rows are
+`results.md` (a table), `heatmap.png` (success by length × depth per family and serving; rl/eval_report.py). Rows are
 appended and flushed as they finish: an interrupted eval started again with the same config skips every
 finished task and never repeats one. A task the model cannot hold (prompt longer than
 `rollout.max_context_tokens` or the model's positions) or whose episode fails is an error row; the
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from rl.config import ConfigError, JobConfig
+from rl.eval_report import Episode, aggregate, heatmap, markdown
 
 TASKS_FILE = "tasks.jsonl"
 SERVINGS = ("context", "search")
@@ -122,7 +123,10 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
                 # the same task seeds at every length and serving: cells differ only in the haystack
                 for i, task in enumerate(env.tasks(ev.num_tasks, seed=ev.seed)):
                     task = {**task, "length": cell.length}
-                    inst = env.instance(task)
+                    try:
+                        inst = env.instance(task)
+                    except ValueError as e:  # a length too short for the family's facts, a source too small
+                        raise ConfigError(f"eval.context_lengths: cannot build {cell.name} task {i}: {e}") from None
                     ids = [p for p, _ in inst.passages]
                     first = min((ids.index(e) for e in inst.evidence if e in ids), default=None)
                     depth = math.nan if first is None else first / max(1, len(ids) - 1)
@@ -175,20 +179,13 @@ def _row(runner: str, gt: GridTask, reward: float, rewards: dict, metrics: dict,
 
     numeric = {k: float(v) for k, v in rewards.items() if k in REPORTED and isinstance(v, (int, float))
                and not isinstance(v, bool)}
-    ok = (not error) and is_success(_Episode(reward, numeric), success_key)
+    ok = (not error) and is_success(Episode(reward, numeric), success_key)
     return {"runner": runner, "task_id": gt.task_id, "family": gt.cell.family, "serve": gt.cell.serve,
             "length": gt.cell.length, "task": gt.task, "depth": None if math.isnan(gt.depth) else gt.depth,
             "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
             "tool_calls": float(metrics.get("tool_calls", 0.0)),
             "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
             "error": error, "transcript": transcript}
-
-
-@dataclass
-class _Episode:
-    reward: float
-    rewards: dict
-    metrics: Optional[dict] = None
 
 
 # ---- runners
@@ -224,8 +221,8 @@ def run_baseline(name: str, cfg: Any, cell_tasks: Sequence[GridTask], tokenizer:
                 policy = ClosedBookPolicy(rng.choice(others)) if others else (lambda messages: "unanswerable")
             result = run_episode(env, gt.task, policy, budget, count)
             info = result.info
-            observed = sum(count(m["content"]) for m in result.messages if m["role"] == "tool")
-            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": gt.prompt_tokens + observed}
+            read = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")  # prompt + results
+            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
             rewards = {k: v for k, v in info.items() if k in REPORTED}
             transcript = "\n".join(f"[{m['role']}] {m['content']}" for m in result.messages[2:])
             rows.append(_row(name, gt, result.reward, rewards, metrics, time.perf_counter() - started, transcript, key))
@@ -300,118 +297,6 @@ class ModelRunner:
             metrics = {"tool_calls": t.metrics.get("tool_calls", 0.0), "tokens_read": float(len(t.tokens) - t.num_sampled)}
             rows.append(_row("model", gt, t.reward, t.rewards, metrics, seconds, transcript, key))
         return rows
-
-
-# ---- aggregation and reports
-
-def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> dict[str, Any]:
-    """Per runner and cell: `rl.evaluate.score` of the rows without an error, error count, means of tokens and
-    time; per runner, family and serving: the effective length; per cell: success by depth bin."""
-    from rl.evaluate import Score, score
-
-    by_cell: dict[tuple, list[dict]] = {}
-    for r in rows:
-        by_cell.setdefault((r["runner"], r["family"], r["serve"], r["length"]), []).append(r)
-    cells = []
-    for (runner, family, serve, length), group in sorted(by_cell.items()):
-        ok = [r for r in group if not r["error"]]
-        s: Score = score([_Episode(r["reward"], r["rewards"], {"tool_calls": r["tool_calls"]}) for r in ok],
-                         None if not ok else _success_key(ok))
-        bins: list[list[int]] = [[0, 0] for _ in range(depth_bins)]
-        for r in ok:
-            if r["depth"] is not None:
-                b = min(depth_bins - 1, int(r["depth"] * depth_bins))
-                bins[b][0] += int(r["success"])
-                bins[b][1] += 1
-        n = max(1, len(ok))
-        cells.append({"runner": runner, "family": family, "serve": serve, "length": length, "tasks": len(group),
-                      "errors": len(group) - len(ok), "successes": sum(r["success"] for r in ok),
-                      "success": s.rate if ok else math.nan, "success_ci95": list(s.interval) if ok else [0.0, 1.0],
-                      "components": {k: list(v) for k, v in s.components.items()}, "tool_calls": s.tool_calls,
-                      "prompt_tokens": sum(r["prompt_tokens"] for r in ok) / n,
-                      "tokens_read": sum(r["tokens_read"] for r in ok) / n, "seconds": sum(r["seconds"] for r in ok) / n,
-                      "by_depth": [{"successes": k, "tasks": m} for k, m in bins]})
-    effective = {}
-    for c in cells:
-        effective.setdefault((c["runner"], c["family"], c["serve"]), []).append(c)
-    lengths = [{"runner": runner, "family": family, "serve": serve,
-                "effective_length": effective_length([(c["length"], c["success"]) for c in group], ratio)}
-               for (runner, family, serve), group in sorted(effective.items())]
-    return {"cells": cells, "effective_lengths": lengths}
-
-
-def _success_key(rows: Sequence[dict]) -> Optional[str]:
-    # rows store `success` already decided by the environment's rule; score() needs the same rule: EM when
-    # every row reports it (the long-context environments' success_metric), else reward ≥ 1
-    return "em" if all("em" in r["rewards"] for r in rows) else None
-
-
-def effective_length(points: Sequence[tuple[int, float]], ratio: float) -> Optional[int]:
-    """The longest length whose score is ≥ ratio × the score at the shortest length, every shorter length
-    included (a dip breaks the run); None when the shortest length scores 0 (or has no result)."""
-    points = sorted((n, s) for n, s in points)
-    if not points or not points[0][1] or math.isnan(points[0][1]):
-        return None
-    base, best = points[0][1], None
-    for n, s in points:
-        if math.isnan(s) or s < ratio * base:
-            break
-        best = n
-    return best
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The results as a Markdown table (one row per runner and cell) and the effective lengths."""
-    lines = ["| runner | family | serving | length | tasks | success [95% CI] | EM | F1 | evidence recall | "
-             "tool calls | tokens read | s/task | errors |", "|" + "---|" * 13]
-    for c in result["cells"]:
-        comp = c["components"]
-        fmt = lambda k: f"{comp[k][0]:.2f}" if k in comp else "—"  # noqa: E731
-        lo, hi = c["success_ci95"]
-        success = "—" if math.isnan(c["success"]) else f"{c['success']:.2f} [{lo:.2f}, {hi:.2f}]"
-        lines.append(f"| {c['runner']} | {c['family']} | {c['serve']} | {c['length']} | {c['tasks']} | {success} | "
-                     f"{fmt('em')} | {fmt('f1')} | {fmt('evidence_recall')} | {c['tool_calls']:.1f} | "
-                     f"{c['tokens_read']:.0f} | {c['seconds']:.2f} | {c['errors']} |")
-    lines += ["", "| runner | family | serving | effective length |", "|---|---|---|---|"]
-    for e in result["effective_lengths"]:
-        lines.append(f"| {e['runner']} | {e['family']} | {e['serve']} | {e['effective_length'] or '—'} |")
-    return "\n".join(lines) + "\n"
-
-
-def heatmap(result: dict[str, Any], runner: str, path: Path, depth_bins: int) -> Optional[Path]:
-    """Success of `runner` by length (columns) × evidence depth (rows), one panel per family and serving."""
-    cells = [c for c in result["cells"] if c["runner"] == runner]
-    if not cells:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    panels = sorted({(c["family"], c["serve"]) for c in cells})
-    lengths = sorted({c["length"] for c in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1, 3.2), squeeze=False)
-    for ax, (family, serve) in zip(axes[0], panels):
-        grid = np.full((depth_bins, len(lengths)), np.nan)
-        for c in cells:
-            if (c["family"], c["serve"]) == (family, serve):
-                for b, d in enumerate(c["by_depth"]):
-                    if d["tasks"]:
-                        grid[b, lengths.index(c["length"])] = d["successes"] / d["tasks"]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
-        for (b, j), v in np.ndenumerate(grid):
-            if not np.isnan(v):
-                ax.text(j, b, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
-        ax.set_yticks(range(depth_bins), [f"{b / depth_bins:.0%}–{(b + 1) / depth_bins:.0%}" for b in range(depth_bins)])
-        ax.set_title(f"{family} · {serve}", fontsize=10)
-        ax.set_xlabel("context length (tokens)")
-    axes[0][0].set_ylabel("evidence depth")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=f"{runner} success (EM)")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 # ---- the driver

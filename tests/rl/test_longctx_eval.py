@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from rl.longctx_eval import effective_length, main, read_rows
+from rl.eval_report import effective_length
+from rl.longctx_eval import main, read_rows
 
 REPO = Path(__file__).parents[2]
-GRID = ["eval.families=[needle,multihop]", "eval.serve=[context,search]", "eval.context_lengths=[512,1024]",
-        "eval.num_tasks=3", "eval.batch_size=3", "rollout.max_new_tokens=24", "rollout.max_turns=2",
-        "rollout.max_context_tokens=2048"]
+GRID = ["eval.families=[needle,multihop]", "eval.serve=[context,search]", "eval.context_lengths=[1024,2048]",
+        "eval.num_tasks=3", "eval.batch_size=3", "rollout.max_new_tokens=24", "rollout.max_turns=5",
+        "rollout.max_context_tokens=4096"]
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +64,10 @@ def test_every_cell_and_runner_is_reported_and_the_baselines_bound_the_scale(fir
     # the lengths are the model tokenizer's counts of the in-context prompt
     assert all(r["prompt_tokens"] <= r["length"] for r in rows)
     assert {e["runner"] for e in result["effective_lengths"]} == {"model", "oracle", "closed_book"}
-    assert all(e["effective_length"] == 1024 for e in result["effective_lengths"] if e["runner"] == "oracle")
+    assert all(e["effective_length"] == 2048 for e in result["effective_lengths"] if e["runner"] == "oracle")
     search_rows = [r for r in rows if r["serve"] == "search" and r["runner"] == "oracle"]
     assert all(r["rewards"]["search_calls"] >= 1 for r in search_rows)
-    assert "| oracle | needle | context | 512 | 3 | 1.00" in (first_run / "results.md").read_text()
+    assert "| oracle | needle | context | 1024 | 3 | 1.00" in (first_run / "results.md").read_text()
 
 
 def test_an_interrupted_eval_continues_without_repeating_or_losing_a_task(first_run, k3_dir, tmp_path, capsys):
@@ -91,13 +92,13 @@ def test_an_interrupted_eval_continues_without_repeating_or_losing_a_task(first_
 
 def test_a_length_the_model_cannot_hold_is_an_error_row_and_the_run_goes_on(k3_dir, tmp_path):
     assert run(tmp_path, k3_dir, "eval.families=[needle]", "eval.serve=[context]",
-               "eval.context_lengths=[512,4096]") == 0
+               "eval.context_lengths=[1024,8192]") == 0
     rows = read_rows(tmp_path / "e" / "tasks.jsonl")
-    too_long = [r for r in rows if r["runner"] == "model" and r["length"] == 4096]
-    assert too_long and all("exceeds the context limit 2048" in r["error"] for r in too_long)
-    assert all(not r["error"] for r in rows if r["length"] == 512 or r["runner"] != "model")
+    too_long = [r for r in rows if r["runner"] == "model" and r["length"] == 8192]
+    assert too_long and all("exceeds the context limit 4096" in r["error"] for r in too_long)
+    assert all(not r["error"] for r in rows if r["length"] == 1024 or r["runner"] != "model")
     result = json.loads((tmp_path / "e" / "results.json").read_text())
-    (cell,) = [c for c in result["cells"] if c["runner"] == "model" and c["length"] == 4096]
+    (cell,) = [c for c in result["cells"] if c["runner"] == "model" and c["length"] == 8192]
     assert cell["errors"] == 3
 
 
@@ -106,6 +107,7 @@ def test_a_length_the_model_cannot_hold_is_an_error_row_and_the_run_goes_on(k3_d
     ("eval.serve=[context,web]", "eval.serve: ['web']"),
     ("eval.baselines=[oracle,human]", "eval.baselines: ['human']"),
     ("eval.context_lengths=[100]", "eval.context_lengths"),
+    ("eval.context_lengths=[300]", "eval.context_lengths: cannot build needle/context/300 task 0"),
     ("eval.model_path=/nonexistent", "eval.model_path: no Hugging Face model"),
 ])
 def test_bad_configs_are_named_before_anything_is_written(k3_dir, tmp_path, capsys, override, message):

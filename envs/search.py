@@ -147,7 +147,7 @@ class SearchEnv(Env):
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.task = task
-        self.corpus = task_corpus(task["passages"]) if task.get("passages") else self.shared_corpus
+        self.corpus = self.task_corpus(task) if task.get("passages") else self.shared_corpus
         if self.method not in self.corpus.methods:
             raise ValueError(f"search method {self.method!r} is not built for this corpus ({', '.join(self.corpus.methods)})")
         self.answers = [str(a) for a in task.get("answers", [])]
@@ -158,6 +158,10 @@ class SearchEnv(Env):
         self.opened: list[str] = []
         self.final: str | None = None
         return self.prompt(task)
+
+    def task_corpus(self, task: Mapping[str, Any]) -> Corpus:
+        """The index of a task that brings its own `passages` (built per reset; subclasses may reuse one)."""
+        return task_corpus(task["passages"])
 
     def prompt(self, task: Mapping[str, Any]) -> str:
         return f"Question: {task['question']}"

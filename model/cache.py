@@ -35,9 +35,34 @@ class StepInfo:
     """[B, T] position of each new token within its own sequence (padding excluded)."""
     valid: torch.Tensor | None
     """[B, T] False at left-padding tokens; None when every token is real."""
-    mask: torch.Tensor | None
-    """[B, 1, T, start+T] bool attention mask for MLA; None means plain causal (or all keys for T=1)."""
+    pad: torch.Tensor
+    """[B] left-padding columns of each row (they sit at the start of the cache)."""
     cache: "K3Cache | None"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def plain_causal(self) -> bool:
+        """True when MLA needs no explicit mask: no padding and either no past or a one-token step."""
+        return self.valid is None and not bool(self.pad.any()) and (self.start == 0 or self.num_tokens == 1)
+
+    def attn_mask(self, lo: int = 0, hi: int | None = None, keys: int | None = None) -> torch.Tensor | None:
+        """[B, 1, hi−lo, keys] bool mask of the new tokens lo..hi−1 over the first `keys` keys (default all
+        start+T); None when `plain_causal`. Built per query block, so a long prefill never holds T×S of it."""
+        if self.plain_causal:
+            return None
+        T = self.num_tokens
+        hi = T if hi is None else hi
+        keys = self.start + T if keys is None else keys
+        device = self.positions.device
+        absolute = self.start + torch.arange(lo, hi, device=device)  # [t]
+        k = torch.arange(keys, device=device)  # [S]
+        causal = k[None, :] <= absolute[:, None]  # [t, S]
+        real_key = k[None, :] >= self.pad[:, None]  # [B, S]
+        own = k[None, :] == absolute[:, None]  # [t, S]: a padding query attends to itself (no empty rows)
+        return (causal[None] & (real_key[:, None, :] | own[None]))[:, None]  # [B, 1, t, S]
 
 
 class K3Cache:
@@ -176,11 +201,4 @@ def make_step(input_shape: tuple[int, int], device, cache: K3Cache | None,
     absolute = start + torch.arange(T, device=device)  # [T]
     positions = (absolute[None, :] - pad[:, None]).clamp_min(0)  # [B, T]
     valid = absolute[None, :] >= pad[:, None] if bool(pad.any()) else None  # [B, T]
-    mask = None
-    if valid is not None or (start > 0 and T > 1):
-        keys = torch.arange(start + T, device=device)  # [S]
-        causal = keys[None, :] <= absolute[:, None]  # [T, S]
-        real_key = keys[None, :] >= pad[:, None]  # [B, S]
-        own = keys[None, :] == absolute[:, None]  # [T, S]: a padding query attends to itself (no empty rows)
-        mask = (causal[None] & (real_key[:, None, :] | own[None]))[:, None]  # [B, 1, T, S]
-    return StepInfo(start=start, positions=positions, valid=valid, mask=mask, cache=cache)
+    return StepInfo(start=start, positions=positions, valid=valid, pad=pad, cache=cache)

@@ -9,11 +9,15 @@ NoPE (released K3, `mla_use_nope`) leaves q_pe and k_pe unrotated; otherwise bot
 base `config.rope_theta` (read at every call, so a staged context recipe can raise it),
 interleaved pairs (x[2m], x[2m+1]) as in DeepSeek MLA, at each token's position in its sequence.
 
-The decode cache holds only the latent `[kv_c ; k_pe]` (k_pe after rotation). Attention goes
-through `F.scaled_dot_product_attention` in two equivalent forms, picked in one line:
-  * expanded (training, prefill): keys and values are up-projected per head from the latents;
+The decode cache holds only the latent `[kv_c ; k_pe]` (k_pe after rotation). Attention takes one
+of three equivalent forms, picked in `forward`:
+  * expanded (training, short prefill): keys and values are up-projected per head from the latents,
+    `F.scaled_dot_product_attention`;
   * absorbed (one-token decode): W_UK folds into the query and W_UV into the output, so the
-    step attends over the cached latents directly (Lkv + dr per key) without expanding them.
+    step attends over the cached latents directly (Lkv + dr per key) without expanding them;
+  * blocked (a long prefill segment over a long cache, rollout/torch_engine.py's segmented prefill):
+    the absorbed form taken a block of queries at a time, so neither the per-head keys [S, H, ·] nor a
+    T×S score matrix or mask ever exist — at most `SCORE_BUDGET` scores at once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from torch import nn
 
 from model.attn_res import RMSNorm
 from model.cache import StepInfo
+
+SCORE_BUDGET = 1 << 24
+"""Most attention scores (B·H·queries·keys) one step holds at once; a cached prefill step above it attends
+block by block (16M fp32 scores: 64 MiB, plus the softmax's copy)."""
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -78,8 +86,15 @@ class MultiheadLatentAttention(nn.Module):
         if step.cache is not None:
             latent = step.cache.append_latent(self.layer_idx, latent, step.start)  # [B, S, Lkv + dr]
 
-        # Absorbed for a one-token decode step, expanded for training and prefill.
-        attend = self._attend_absorbed if T == 1 else self._attend_expanded
+        # Absorbed for a one-token decode step, blocked for a prefill step too large to score at once,
+        # expanded for training and short prefill.
+        S = latent.shape[1]
+        if T == 1:
+            attend = self._attend_absorbed
+        elif step.cache is not None and B * H * T * S > SCORE_BUDGET:
+            attend = self._attend_blocked
+        else:
+            attend = self._attend_expanded
         out = attend(q_nope, q_pe, latent, step)  # [B, T, H, dv]
         out = out.reshape(B, T, H * self.v_dim)
         if hasattr(self, "g_proj"):
@@ -88,8 +103,9 @@ class MultiheadLatentAttention(nn.Module):
 
     def _sdpa(self, q, k, v, step: StepInfo) -> torch.Tensor:
         """q [B, H, T, D], k [B, H, S, D], v [B, H, S, Dv] → [B, H, T, Dv], causal or step.mask."""
-        causal = step.mask is None and q.shape[2] > 1
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=causal, scale=self.scale)
+        mask = step.attn_mask()
+        causal = mask is None and q.shape[2] > 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
     def _attend_expanded(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
         B, S, _ = latent.shape
@@ -101,11 +117,39 @@ class MultiheadLatentAttention(nn.Module):
         out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), step)  # [B, H, T, dv]
         return out.transpose(1, 2)
 
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, dn, Lkv] and W_UV [H, dv, Lkv], the per-head slices of kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def _attend_blocked(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
+        """The absorbed form, `rows` queries at a time, each block over the keys up to its last query."""
+        B, S, D = latent.shape
+        T, H = q_nope.shape[1], self.num_heads
+        w_uk, w_uv = self._absorbed_weights()
+        q = torch.cat([torch.einsum("bthn,hnl->bthl", q_nope, w_uk), q_pe], dim=-1)  # [B, T, H, Lkv + dr]
+        values = latent[..., : self.kv_rank]  # [B, S, Lkv]
+        rows = max(1, SCORE_BUDGET // (B * H * S))
+        dt = torch.promote_types(latent.dtype, torch.float32)
+        out = latent.new_empty(B, T, H, self.kv_rank)
+        for lo in range(0, T, rows):
+            hi = min(T, lo + rows)
+            keys = step.start + hi  # causal: no query of this block sees beyond its last token
+            scores = torch.matmul(q[:, lo:hi].flatten(1, 2), latent[:, :keys].transpose(1, 2))  # [B, t·H, keys]
+            scores = scores.to(dt).mul_(self.scale).view(B, hi - lo, H, keys)
+            mask = step.attn_mask(lo, hi, keys)  # [B, 1, t, keys] or None (then plain causal)
+            if mask is None:
+                mask = (torch.arange(keys, device=latent.device)[None, :]
+                        <= step.start + torch.arange(lo, hi, device=latent.device)[:, None])[None, None]
+            scores.masked_fill_(~mask.transpose(1, 2), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(latent.dtype).flatten(1, 2)  # [B, t·H, keys]
+            out[:, lo:hi] = torch.matmul(probs, values[:, :keys]).view(B, hi - lo, H, self.kv_rank)
+        return torch.einsum("bthl,hvl->bthv", out, w_uv)  # [B, T, H, dv]
+
     def _attend_absorbed(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
         B, S, D = latent.shape
-        H, dn = self.num_heads, self.nope_dim
-        w = self.kv_b_proj.weight.view(H, dn + self.v_dim, self.kv_rank)
-        w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, Lkv], [H, dv, Lkv]
+        H = self.num_heads
+        w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)  # [B, H, T, Lkv]
         q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, Lkv + dr]
         keys = latent[:, None].expand(B, H, S, D)  # [B, H, S, Lkv + dr], shared by heads

@@ -14,7 +14,7 @@ toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supe
   scale, and log π(target) through the chunked path of model/logprobs.py (no [N, V] logits).
 - `prefill` / `decode` / `select`: batched generation with the model's own cache (K3: `K3Cache`, with the
   routed expert ids of every step for routing replay; HF: its KV cache with explicit positions, so left
-  padding is exact).
+  padding is exact); a long prompt is prefilled in segments (bounded activations, exact up to rounding).
 
 A third model family costs one subclass that overrides these.
 """
@@ -114,15 +114,29 @@ class Policy:
 
     # ---- generation
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, dict]:
-        """Left-padded prompts [B, T] (mask 0 on padding) → last-position logits [B, V] and the decode state."""
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int,
+                segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+        """Left-padded prompts [B, T] (mask 0 on padding) → last-position logits [B, V] and the decode state.
+
+        With `segment_tokens`, the prompt goes in segments of that many tokens through the model's own cache
+        (K3: KDA and conv states carried, MLA's latents appended and attended by query block; HF: its KV cache),
+        so the activations of one step stay bounded by the segment, not the prompt."""
+        B, T = ids.shape
+        seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         if self.is_k3:
-            cache = self.model.new_cache(ids.shape[0], capacity=capacity)
-            out = self.model(ids, cache=cache, attention_mask=mask, logits_to_keep=1)
+            cache = self.model.new_cache(B, capacity=capacity)
+            cache.pad_len = (mask == 0).sum(1).to(cache.pad_len)  # padding sits in the first columns
+            for lo in range(0, T, seg):
+                out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
             return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos[:, -1]}
+        cache = None
+        for lo in range(0, T, seg):
+            hi = min(T, lo + seg)
+            out = self.model(input_ids=ids[:, lo:hi], attention_mask=mask[:, :hi], position_ids=pos[:, lo:hi],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        return out.logits[:, -1], {"cache": cache, "mask": mask, "pos": pos[:, -1]}
 
     def decode(self, new: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
         """One new token per row [B] → logits [B, V] and the updated state (K3: `state["route"]` holds the

@@ -2,7 +2,8 @@
 
 The embedded default on the CPU (vLLM's K3 kernels need CUDA). One `generate` call:
 1. left-pads the prompts into one batch and prefills it through the policy adapter (model/policy.py; K3: the hybrid cache, KDA/conv states
-   constant in length, MLA latents growing; HF models: their own KV cache) — each prompt once,
+   constant in length, MLA latents growing; HF models: their own KV cache) — each prompt once, in
+   segments of `prefill_tokens` tokens so a 256K-token prompt needs the activations of one segment,
    then the cache rows are repeated for the `n` samples;
 2. decodes one token per running sequence per step, dropping finished rows from the batch
    (`K3Cache.select` / the HF cache's `batch_select_indices`), so sequences that finish early
@@ -50,7 +51,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
 class TorchEngine:
     """Generate with a PyTorch model in this process; see module docstring."""
 
-    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", seed: int = 0, max_batch: int = 64):
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", seed: int = 0, max_batch: int = 64,
+                 prefill_tokens: int = 2048):
         from model.policy import Policy
 
         self.model = model.to(device).eval()
@@ -58,6 +60,9 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_batch = max_batch
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens: must be ≥ 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
         self.is_k3 = self.policy.is_k3
@@ -155,7 +160,7 @@ class TorchEngine:
         return any(s in tail for s in stops)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int):
-        return self.policy.prefill(ids, mask, capacity)
+        return self.policy.prefill(ids, mask, capacity, segment_tokens=self.prefill_tokens)
 
     def _decode(self, new: torch.Tensor, state: dict):
         return self.policy.decode(new, state)

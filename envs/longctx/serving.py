@@ -11,7 +11,8 @@ one environment per family (``make("needle", serve="search", …)``).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Mapping
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Mapping
 
 from envs import scoring
 from envs.base import Env, Policy
@@ -20,7 +21,7 @@ from envs.longctx.haystack import generate, render_context
 from envs.longctx.oracles import ContextOracle, FamilySearchOracle
 from envs.longctx.task import Instance
 from envs.registry import register
-from envs.search import SearchEnv
+from envs.search import SearchEnv, task_corpus
 from envs.tools import tool
 
 PROMPT_SEARCH = (
@@ -33,6 +34,31 @@ PROMPT_SEARCH_MINIMAL = 'Search the passages, then answer with the answer alone 
 """The search prompt of `tool_prompt="minimal"`: the task without the prose."""
 
 
+class _Recent(OrderedDict):
+    """A small least-recently-used memo: `get(key, make)` builds a value once while it stays among the last
+    `size` used."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+_INSTANCES = _Recent(32)
+"""Generated instances by (family, seed, length, source, tokenizer, options): an evaluation plays each task
+several times (model, oracle, closed-book) and at 64K+ tokens generating the haystack costs seconds."""
+_CORPORA = _Recent(8)
+"""The BM25 index of an instance's haystack (the search serving), by the same key."""
+
+
 class _FamilyTasks:
     """Task sampling shared by both servings: a task is ``{"family", "seed"}`` plus overrides."""
 
@@ -42,10 +68,16 @@ class _FamilyTasks:
         rng = random.Random(f"tasks:{self.family}:{seed}")
         return [{"family": self.family, "seed": rng.randrange(2**31)} for _ in range(n)]
 
-    def instance(self, task: Mapping[str, Any]) -> Instance:
+    def _instance_key(self, task: Mapping[str, Any]) -> tuple:
         options = {**self.options, **{k: v for k, v in task.items() if k in DEFAULTS}}
-        return generate(task.get("family", self.family), int(task["seed"]), int(task.get("length", self.length)),
-                        task.get("source", self.source), self.tokenizer, **options)
+        return (task.get("family", self.family), int(task["seed"]), int(task.get("length", self.length)),
+                task.get("source", self.source), self.tokenizer, tuple(sorted(options.items())))
+
+    def instance(self, task: Mapping[str, Any]) -> Instance:
+        """The task's instance (generated once per key and reused: treat it as read-only)."""
+        key = self._instance_key(task)
+        family, seed, length, source, tokenizer, options = key
+        return _INSTANCES.get(key, lambda: generate(family, seed, length, source, tokenizer, **dict(options)))
 
 
 class LongContextEnv(_FamilyTasks, Env):
@@ -110,7 +142,12 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.current = self.instance(task)
+        self._key = self._instance_key(task)
         return super().reset(self.current.search_task())
+
+    def task_corpus(self, task: Mapping[str, Any]):
+        """The haystack's index, built once per instance (not per episode)."""
+        return _CORPORA.get(self._key, lambda: task_corpus(task["passages"]))
 
     def prompt(self, task: Mapping[str, Any]) -> str:
         template = PROMPT_SEARCH_MINIMAL if self.tool_prompt == "minimal" else PROMPT_SEARCH

@@ -121,7 +121,7 @@ class RolloutConfig:
     """How trajectories are sampled: the engine, the sampling, the episode limits, the workers."""
 
     engine: EngineName = EngineName["torch"]
-    """`torch` (k3rl's own, the CPU default) or `vllm`."""
+    """`torch` (k3rl's own, the CPU default) or `vllm`; also the engine `k3rl eval` runs `eval.model_path` on."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Settings of that engine's constructor (`torch`: `max_batch`; `vllm`: any `vllm.EngineArgs` field, e.g.
     `gpu_memory_utilization`, `enforce_eager`), checked against it before Ray starts."""
@@ -274,7 +274,19 @@ class EvalConfig:
     serve: list[str] = field(default_factory=lambda: ["context"])
     """Servings of `k3rl eval`: `context` (haystack in the prompt) and/or `search` (behind the search tool)."""
     model_path: Optional[str] = None
-    """`k3rl eval`: the HF model directory evaluated (K3 or any HF causal LM, native engine); null: only the baselines."""
+    """`k3rl eval`: the HF model directory evaluated (K3 or any HF causal LM) on the engine of `rollout.engine`
+    (`torch`: k3rl's own; `vllm`: any model vLLM runs, not K3, whose vLLM kernels need CUDA); its tokenizer counts
+    the lengths. With `endpoint`, only its tokenizer is used (null: the one the served model's name resolves to)."""
+    endpoint: Optional[str] = None
+    """`k3rl eval`: evaluate a served model instead, at this OpenAI-compatible base URL (`vllm serve MODEL --port
+    8000`: http://127.0.0.1:8000/v1), greedy through POST /chat/completions; an API key is read from OPENAI_API_KEY
+    (never from the config, which is written next to the results)."""
+    endpoint_model: Optional[str] = None
+    """`k3rl eval`: the served model's name at `endpoint`; null: the first of GET /models."""
+    endpoint_timeout_s: float = 600.0
+    """`k3rl eval`: seconds one chat request to `endpoint` may take; past it (or on a 5xx) it is retried."""
+    endpoint_retries: int = 2
+    """`k3rl eval`: retries of a failed chat request (with backoff); then the task is an error row and the run goes on."""
     baselines: list[str] = field(default_factory=lambda: ["oracle", "closed_book"])
     """`k3rl eval`: reference policies run on the same tasks — `oracle` (the ceiling) and `closed_book` (answers
     at once with another task's answer: the floor)."""

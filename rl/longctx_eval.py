@@ -5,11 +5,11 @@ the same haystack) × `eval.context_lengths` (tokens of the in-context prompt, c
 evaluated model's tokenizer), `eval.num_tasks` tasks per cell, deterministic in `eval.seed`. Each task
 also records its evidence depth (where the first evidence passage sits in the haystack, 0 = start).
 
-Who is evaluated on the same tasks ("runners"): the model of `eval.model_path` through the native engine
-(rollout/torch_engine.py, greedy, the rollout limits of `rollout:`; its tokenizer counts the lengths), and
-the baselines of
-`eval.baselines` — the environment's `oracle` (the ceiling) and `closed_book` (answers at once with
-another task's answer, envs/teachers.py: the floor) — so a reader sees the scale.
+Who is evaluated on the same tasks ("runners", rl/eval_runners.py): the model of `eval.model_path` on the
+engine of `rollout.engine` (k3rl's own or vLLM, greedy, the rollout limits of `rollout:`), or a served model
+behind the OpenAI-compatible endpoint `eval.endpoint`; its tokenizer counts the lengths. Beside it the
+baselines of `eval.baselines` — the environment's `oracle` (the ceiling) and `closed_book` (answers at once
+with another task's answer, envs/teachers.py: the floor) — so a reader sees the scale.
 
 Scoring is rl/evaluate.py's `score` (success by the environment's rule with a Wilson interval, every
 reward component — EM, F1, evidence recall — with its interval, tool calls), per cell and runner, plus
@@ -18,10 +18,10 @@ the longest length whose success is ≥ `eval.effective_ratio` × the success at
 
 Outputs under `run.output_dir/run.name/`: `tasks.jsonl` (one row per task and runner: the task, its
 metrics, the transcript after the prompt — the prompt is regenerated from the task), `results.json`,
-`results.md` (a table), `heatmap.png` (success by length × depth per family and serving; rl/eval_report.py). Rows are
+`results.md` (a table; results.json's `config` names the backend and model evaluated), `heatmap.png` (success by length × depth per family and serving; rl/eval_report.py). Rows are
 appended and flushed as they finish: an interrupted eval started again with the same config skips every
 finished task and never repeats one. A task the model cannot hold (prompt longer than
-`rollout.max_context_tokens` or the model's positions) or whose episode fails is an error row; the
+`rollout.max_context_tokens` or the model's positions; a served model's `max_model_len`) or whose episode fails is an error row; the
 run goes on.
 """
 
@@ -34,10 +34,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 from rl.config import ConfigError, JobConfig
-from rl.eval_report import Episode, aggregate, heatmap, markdown
+from rl.eval_report import aggregate, heatmap, markdown
+from rl.eval_runners import check_evaluated, evaluated_runner, run_baseline
 
 TASKS_FILE = "tasks.jsonl"
 SERVINGS = ("context", "search")
@@ -90,14 +91,7 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"eval.{key}: must be ≥ 1, got {getattr(ev, key)}")
     if not 0 < ev.effective_ratio <= 1:
         raise ConfigError(f"eval.effective_ratio: in (0, 1], got {ev.effective_ratio}")
-    if ev.model_path is None:
-        raise ConfigError("eval.model_path: set the HF model directory to evaluate (`k3rl init`, `k3rl sft`, a "
-                          "checkpoint, or any HF causal LM); its tokenizer also counts the context lengths")
-    path = Path(ev.model_path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"eval.model_path: no Hugging Face model at {path} (config.json missing)")
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ConfigError(f"eval.model_path: {path} has no tokenizer")
+    check_evaluated(cfg)
 
 
 def env_kwargs(cfg: Any, cell: Cell, tokenizer: Any) -> dict[str, Any]:
@@ -173,132 +167,6 @@ class RowWriter:
         self._file.close()
 
 
-def _row(runner: str, gt: GridTask, reward: float, rewards: dict, metrics: dict, seconds: float,
-         transcript: str, success_key: Optional[str], error: str = "") -> dict[str, Any]:
-    from rl.evaluate import is_success
-
-    numeric = {k: float(v) for k, v in rewards.items() if k in REPORTED and isinstance(v, (int, float))
-               and not isinstance(v, bool)}
-    ok = (not error) and is_success(Episode(reward, numeric), success_key)
-    return {"runner": runner, "task_id": gt.task_id, "family": gt.cell.family, "serve": gt.cell.serve,
-            "length": gt.cell.length, "task": gt.task, "depth": None if math.isnan(gt.depth) else gt.depth,
-            "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
-            "tool_calls": float(metrics.get("tool_calls", 0.0)),
-            "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
-            "error": error, "transcript": transcript}
-
-
-# ---- runners
-
-def run_baseline(name: str, cfg: Any, cell_tasks: Sequence[GridTask], tokenizer: Any) -> list[dict[str, Any]]:
-    """The `oracle` or `closed_book` policy on the tasks of one cell (envs.base.run_episode)."""
-    import random
-
-    import envs
-    from envs.base import Budget, as_token_counter, run_episode
-    from envs.teachers import ClosedBookPolicy, terminal_call
-    from rl.evaluate import success_rule
-
-    cell = cell_tasks[0].cell
-    env = envs.make(cell.family, **env_kwargs(cfg, cell, tokenizer))
-    key = success_rule(env, cfg.env.success_key)
-    budget = Budget(**{**vars(env.budget), "max_turns": cfg.rollout.max_turns})
-    count = as_token_counter(tokenizer)
-    guesses = []
-    if name == "closed_book":  # another task's final call: an answer of the right kind, not this task's
-        for gt in cell_tasks:
-            result = run_episode(env, gt.task, env.oracle(gt.task), budget, count)
-            guesses.append(terminal_call(env, result.messages))
-    rng = random.Random(f"closed_book:{cfg.eval.seed}:{cell.name}")
-    rows = []
-    for i, gt in enumerate(cell_tasks):
-        started = time.perf_counter()
-        try:
-            if name == "oracle":
-                policy = env.oracle(gt.task)
-            else:
-                others = [g for j, g in enumerate(guesses) if j != i and g is not None]
-                policy = ClosedBookPolicy(rng.choice(others)) if others else (lambda messages: "unanswerable")
-            result = run_episode(env, gt.task, policy, budget, count)
-            info = result.info
-            read = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")  # prompt + results
-            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
-            rewards = {k: v for k, v in info.items() if k in REPORTED}
-            transcript = "\n".join(f"[{m['role']}] {m['content']}" for m in result.messages[2:])
-            rows.append(_row(name, gt, result.reward, rewards, metrics, time.perf_counter() - started, transcript, key))
-        except Exception as e:  # one task's failure is its row, not the run's end
-            rows.append(_row(name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
-                             error=f"{type(e).__name__}: {e}"))
-    return rows
-
-
-class ModelRunner:
-    """The evaluated model on the native engine, greedy; one AgentLoop per cell."""
-
-    def __init__(self, cfg: Any, model_path: str):
-        import torch
-        from transformers import AutoTokenizer
-
-        from model.policy import load_policy
-
-        self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.policy = load_policy(model_path, torch.float32, cfg.run.device)
-        self.model = self.policy.model.eval()
-        text = self.model.config.get_text_config()
-        self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
-
-    def limit(self) -> int:
-        """The longest context the engine may build: `rollout.max_context_tokens`, within the model's positions."""
-        limit = int(self.cfg.rollout.max_context_tokens)
-        return min(limit, self.max_positions) if self.max_positions else limit
-
-    def run(self, cell_tasks: Sequence[GridTask]) -> list[dict[str, Any]]:
-        import envs
-        from envs.base import Budget
-        from rl.evaluate import success_rule
-        from rollout.agent_loop import AgentLoop, EpisodeRequest
-        from rollout.engine import SamplingParams
-        from rollout.torch_engine import TorchEngine
-
-        cfg, cell = self.cfg, cell_tasks[0].cell
-        kwargs = env_kwargs(cfg, cell, self.tokenizer)
-        env0 = envs.make(cell.family, **kwargs)
-        key = success_rule(env0, cfg.env.success_key)
-        rows, runnable = [], []
-        # the prompt is the haystack plus the chat scaffolding and the system message: leave room to answer
-        room = int(cfg.rollout.max_new_tokens)
-        for gt in cell_tasks:
-            need = gt.prompt_tokens + room if cell.serve == "context" else room
-            if need > self.limit():
-                rows.append(_row("model", gt, 0.0, {}, {}, 0.0, "", key, error=(
-                    f"prompt of {gt.prompt_tokens} tokens + {room} to answer exceeds the context limit "
-                    f"{self.limit()} (rollout.max_context_tokens, the model's max_position_embeddings "
-                    f"{self.max_positions})")))
-            else:
-                runnable.append(gt)
-        if not runnable:
-            return rows
-        budget = Budget(**{**vars(env0.budget), "max_turns": cfg.rollout.max_turns})
-        loop = AgentLoop(TorchEngine(self.model, self.tokenizer, device=cfg.run.device), self.tokenizer,
-                         lambda: envs.make(cell.family, **kwargs), SamplingParams(temperature=0.0, max_tokens=room),
-                         budget=budget, max_context_tokens=self.limit(), env_name=cell.family)
-        started = time.perf_counter()
-        try:
-            trajectories = loop.run([EpisodeRequest(gt.task, gt.task_id, gt.task_id) for gt in runnable])
-        except Exception as e:  # the batch failed (e.g. out of memory): every task of it is an error row
-            seconds = time.perf_counter() - started
-            return rows + [_row("model", gt, 0.0, {}, {}, seconds / len(runnable), "", key,
-                                error=f"{type(e).__name__}: {e}") for gt in runnable]
-        seconds = (time.perf_counter() - started) / len(runnable)
-        for gt, t in zip(runnable, trajectories):
-            prompt = t.prompt_len
-            transcript = self.tokenizer.decode(t.tokens[prompt:].tolist(), skip_special_tokens=False)
-            metrics = {"tool_calls": t.metrics.get("tool_calls", 0.0), "tokens_read": float(len(t.tokens) - t.num_sampled)}
-            rows.append(_row("model", gt, t.reward, t.rewards, metrics, seconds, transcript, key))
-        return rows
-
-
 # ---- the driver
 
 def run_eval(cfg: Any) -> Path:
@@ -310,8 +178,10 @@ def run_eval(cfg: Any) -> Path:
     check(cfg)
     ev = cfg.eval
     out = Path(cfg.run.output_dir) / cfg.run.name
-    runner = ModelRunner(cfg, ev.model_path)
+    runner = evaluated_runner(cfg)  # an endpoint is probed here: unreachable is a ConfigError before any work
     tokenizer = runner.tokenizer
+    evaluated = runner.describe()
+    print(f"k3rl eval: {evaluated['model']} on {evaluated['backend']}", flush=True)
     started = time.perf_counter()
     grid = build_grid(cfg, tokenizer)
     print(f"k3rl eval: {len(grid)} tasks in {len(grid) // ev.num_tasks} cells, built in "
@@ -320,8 +190,8 @@ def run_eval(cfg: Any) -> Path:
     # what decides the rows (not where they are written): a resumed eval must have the same
     from omegaconf import OmegaConf
 
-    identity = json.dumps({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("eval", "rollout", "env")},
-                          sort_keys=True, default=str)
+    identity = json.dumps({**{k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("eval", "rollout", "env")},
+                           "evaluated": evaluated}, sort_keys=True, default=str)
     saved = out / "grid.json"
     rows = read_rows(out / TASKS_FILE)
     if rows and saved.is_file() and saved.read_text() != identity:
@@ -330,7 +200,7 @@ def run_eval(cfg: Any) -> Path:
     saved.write_text(identity)
     (out / "config.yaml").write_text(to_yaml(cfg))
     done = {(r["runner"], r["task_id"]) for r in rows}
-    runners = [("model", runner.run)] + [(b, lambda tasks, b=b: run_baseline(b, cfg, tasks, tokenizer))
+    runners = [(runner.name, runner.run)] + [(b, lambda tasks, b=b: run_baseline(b, cfg, tasks, tokenizer))
                                          for b in ev.baselines]
     cells: dict[Cell, list[GridTask]] = {}
     for gt in grid:
@@ -359,7 +229,8 @@ def run_eval(cfg: Any) -> Path:
     finally:
         writer.close()
     result = {"config": {"families": list(ev.families), "serve": list(ev.serve), "lengths": list(ev.context_lengths),
-                         "num_tasks": ev.num_tasks, "seed": ev.seed, "model_path": ev.model_path},
+                         "num_tasks": ev.num_tasks, "seed": ev.seed, "model_path": ev.model_path,
+                         **evaluated},
               **aggregate(rows, ev.effective_ratio, ev.depth_bins)}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(markdown(result))

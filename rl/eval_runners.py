@@ -1,0 +1,414 @@
+"""Who `k3rl eval` (rl/longctx_eval.py) evaluates: "runners", each turning the tasks of one cell into task rows.
+
+- `ModelRunner`: the model of `eval.model_path` on a local engine through rollout/agent_loop.py's `AgentLoop`,
+  greedy, with the rollout limits of `rollout:` — the native engine (rollout/torch_engine.py: K3 or any HF
+  causal LM) or vLLM (rollout/vllm_engine.py: any model vLLM runs, not K3), chosen by `rollout.engine`.
+- `EndpointRunner`: any model behind an OpenAI-compatible chat endpoint (`eval.endpoint`: `vllm serve`, …),
+  a message-level policy (`ChatPolicy`) played through `envs.base.run_episode` like the baselines.
+- `run_baseline`: the environment's `oracle` (the ceiling) and `closed_book` (answers at once with another
+  task's answer, envs/teachers.py: the floor).
+
+The evaluated model's rows carry the runner name "model" whatever its backend (rl/eval_report.py aggregates
+by runner); `describe()` says which backend and model, for results.json. A task that fails is its error row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from rl.config import ConfigError
+
+if TYPE_CHECKING:
+    from rl.longctx_eval import GridTask
+
+K3_MODEL_TYPES = ("k3rl_k3", "kimi_k3", "kimi_linear")
+"""Model types of the K3 family: k3rl's own (which vLLM does not know) and vLLM's, whose kernels need CUDA."""
+
+
+def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics: dict, seconds: float,
+             transcript: str, success_key: Optional[str], error: str = "") -> dict[str, Any]:
+    """One row of tasks.jsonl: the task, its cell and depth, the reported reward components, success by the
+    environment's rule (never for an error row), tool calls, tokens read, wall time and the transcript."""
+    from rl.eval_report import Episode
+    from rl.evaluate import is_success
+    from rl.longctx_eval import REPORTED
+
+    numeric = {k: float(v) for k, v in rewards.items() if k in REPORTED and isinstance(v, (int, float))
+               and not isinstance(v, bool)}
+    ok = (not error) and is_success(Episode(reward, numeric), success_key)
+    return {"runner": runner, "task_id": gt.task_id, "family": gt.cell.family, "serve": gt.cell.serve,
+            "length": gt.cell.length, "task": gt.task, "depth": None if math.isnan(gt.depth) else gt.depth,
+            "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
+            "tool_calls": float(metrics.get("tool_calls", 0.0)),
+            "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
+            "error": error, "transcript": transcript}
+
+
+def _transcript(messages: Sequence[dict[str, Any]]) -> str:
+    """The messages after the prompt (system, user), one `[role] content` block each."""
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages[2:])
+
+
+# ---- who is evaluated: checks and construction
+
+def check_evaluated(cfg: Any) -> None:
+    """Named errors for the evaluated model of an eval config, without loading it or reaching the network
+    (an endpoint is probed when `EndpointRunner` starts, still before anything is written)."""
+    ev = cfg.eval
+    if ev.endpoint is not None:
+        if not str(ev.endpoint).startswith(("http://", "https://")):
+            raise ConfigError(f"eval.endpoint: the http(s) base URL of an OpenAI-compatible API, e.g. "
+                              f"http://127.0.0.1:8000/v1; got {ev.endpoint!r}")
+        if ev.endpoint_timeout_s <= 0 or ev.endpoint_retries < 0:
+            raise ConfigError(f"eval.endpoint_timeout_s must be > 0 and eval.endpoint_retries ≥ 0; got "
+                              f"{ev.endpoint_timeout_s} and {ev.endpoint_retries}")
+        if ev.model_path is not None and not _has_tokenizer(Path(ev.model_path)):
+            raise ConfigError(f"eval.model_path: {ev.model_path} has no tokenizer (with eval.endpoint only its "
+                              f"tokenizer is used: it counts the context lengths)")
+        return
+    if ev.model_path is None:
+        raise ConfigError("eval.model_path: set the HF model directory to evaluate (`k3rl init`, `k3rl sft`, a "
+                          "checkpoint, or any HF causal LM; its tokenizer also counts the context lengths), or "
+                          "eval.endpoint to evaluate a served model")
+    path = Path(ev.model_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"eval.model_path: no Hugging Face model at {path} (config.json missing)")
+    if not _has_tokenizer(path):
+        raise ConfigError(f"eval.model_path: {path} has no tokenizer")
+    if cfg.rollout.engine == "vllm":
+        import torch
+
+        from rollout.worker import check_engine_args
+
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        if model_type == "k3rl_k3" or (model_type in K3_MODEL_TYPES and not torch.cuda.is_available()):
+            why = ("vLLM does not load k3rl's K3 layout (model_type k3rl_k3), and its own K3 kernels need CUDA"
+                   if model_type == "k3rl_k3" else f"vLLM's K3 kernels (model_type {model_type}) need CUDA")
+            raise ConfigError(f"rollout.engine=vllm: {path} is a K3 model and {why}; evaluate it with "
+                              f"rollout.engine=torch")
+        if not torch.cuda.is_available():  # vLLM's CPU settings must be in place before it is first imported
+            from rollout.vllm_cpu import configure_cpu_env
+
+            configure_cpu_env()
+        try:
+            check_engine_args("vllm", dict(cfg.rollout.engine_args))
+        except ValueError as e:
+            raise ConfigError(f"rollout.engine_args: {e}") from None
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def evaluated_runner(cfg: Any) -> "ModelRunner | EndpointRunner":
+    """The runner of the evaluated model: the endpoint when `eval.endpoint` is set, else `eval.model_path` on
+    `rollout.engine`."""
+    if cfg.eval.endpoint is not None:
+        return EndpointRunner(cfg)
+    return ModelRunner(cfg, cfg.eval.model_path, str(cfg.rollout.engine))
+
+
+# ---- the model on a local engine
+
+class ModelRunner:
+    """The evaluated model on the native engine or vLLM, greedy; one AgentLoop per cell."""
+
+    name = "model"
+
+    def __init__(self, cfg: Any, model_path: str, engine: str = "torch"):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.model_path, self.backend = cfg, str(model_path), engine
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if engine == "vllm":
+            from omegaconf import OmegaConf
+            from transformers import AutoConfig
+
+            from rollout.vllm_engine import VLLMEngine
+
+            text = AutoConfig.from_pretrained(model_path).get_text_config()
+            self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
+            args = OmegaConf.to_container(cfg.rollout.engine_args, resolve=True) or {}
+            self.engine = VLLMEngine(model_path, max_model_len=self.limit(), seed=cfg.run.seed, **args)
+        else:
+            import torch
+
+            from model.policy import load_policy
+
+            self.policy = load_policy(model_path, torch.float32, cfg.run.device)
+            self.model = self.policy.model.eval()
+            text = self.model.config.get_text_config()
+            self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "model": self.model_path}
+
+    def limit(self) -> int:
+        """The longest context the engine may build: `rollout.max_context_tokens`, within the model's positions."""
+        limit = int(self.cfg.rollout.max_context_tokens)
+        return min(limit, self.max_positions) if self.max_positions else limit
+
+    def _engine(self):
+        if self.backend == "vllm":
+            return self.engine
+        from rollout.torch_engine import TorchEngine
+
+        return TorchEngine(self.model, self.tokenizer, device=self.cfg.run.device)
+
+    def run(self, cell_tasks: Sequence["GridTask"]) -> list[dict[str, Any]]:
+        import envs
+        from envs.base import Budget
+        from rl.evaluate import success_rule
+        from rl.longctx_eval import env_kwargs
+        from rollout.agent_loop import AgentLoop, EpisodeRequest
+        from rollout.engine import SamplingParams
+
+        cfg, cell = self.cfg, cell_tasks[0].cell
+        kwargs = env_kwargs(cfg, cell, self.tokenizer)
+        env0 = envs.make(cell.family, **kwargs)
+        key = success_rule(env0, cfg.env.success_key)
+        rows, runnable = [], []
+        # the prompt is the haystack plus the chat scaffolding and the system message: leave room to answer
+        room = int(cfg.rollout.max_new_tokens)
+        for gt in cell_tasks:
+            need = gt.prompt_tokens + room if cell.serve == "context" else room
+            if need > self.limit():
+                rows.append(task_row(self.name, gt, 0.0, {}, {}, 0.0, "", key, error=(
+                    f"prompt of {gt.prompt_tokens} tokens + {room} to answer exceeds the context limit "
+                    f"{self.limit()} (rollout.max_context_tokens, the model's max_position_embeddings "
+                    f"{self.max_positions})")))
+            else:
+                runnable.append(gt)
+        if not runnable:
+            return rows
+        budget = Budget(**{**vars(env0.budget), "max_turns": cfg.rollout.max_turns})
+        loop = AgentLoop(self._engine(), self.tokenizer, lambda: envs.make(cell.family, **kwargs),
+                         SamplingParams(temperature=0.0, max_tokens=room), budget=budget,
+                         max_context_tokens=self.limit(), env_name=cell.family)
+        started = time.perf_counter()
+        try:
+            trajectories = loop.run([EpisodeRequest(gt.task, gt.task_id, gt.task_id) for gt in runnable])
+        except Exception as e:  # the batch failed (e.g. out of memory): every task of it is an error row
+            seconds = time.perf_counter() - started
+            return rows + [task_row(self.name, gt, 0.0, {}, {}, seconds / len(runnable), "", key,
+                                    error=f"{type(e).__name__}: {e}") for gt in runnable]
+        seconds = (time.perf_counter() - started) / len(runnable)
+        for gt, t in zip(runnable, trajectories):
+            transcript = self.tokenizer.decode(t.tokens[t.prompt_len:].tolist(), skip_special_tokens=False)
+            metrics = {"tool_calls": t.metrics.get("tool_calls", 0.0), "tokens_read": float(len(t.tokens) - t.num_sampled)}
+            rows.append(task_row(self.name, gt, t.reward, t.rewards, metrics, seconds, transcript, key))
+        return rows
+
+
+# ---- a served model behind an OpenAI-compatible endpoint
+
+class ChatPolicy:
+    """A message-level policy (messages → the assistant's text) that asks an OpenAI-compatible chat endpoint,
+    greedy, stopping at the end of a tool call; it keeps the server's token usage of every turn.
+
+    Tool results are sent as user messages wrapped in `<tool_response>` (what Qwen-style templates render a
+    tool message as): the `tool` role of the OpenAI API needs a `tool_call_id` of a structured call, which
+    this text protocol has not. A server that strips the stop string (the OpenAI API does) gets it put back,
+    so the environment's parser sees a closed call. `lock`, when given, is held by the caller while it plays
+    the episode and released here while waiting for the server: episodes run side by side in threads while
+    environment code runs one at a time.
+    """
+
+    def __init__(self, client: Any, model: str, max_tokens: int, lock: Optional[threading.Lock] = None):
+        self.client, self.model, self.max_tokens, self.lock = client, model, max_tokens, lock
+        self.usage: list[Optional[tuple[int, int]]] = []
+        """(prompt_tokens, completion_tokens) of every turn as the server reported them (None: not reported)."""
+
+    def __call__(self, messages: list[dict[str, Any]]) -> str:
+        from envs.tools import STOP_SEQUENCES, TOOL_CALL_END, TOOL_CALL_START, format_observation
+
+        chat = [{"role": "user", "content": format_observation(m["content"])} if m["role"] == "tool"
+                else {"role": m["role"], "content": m["content"]} for m in messages]
+        if self.lock is not None:
+            self.lock.release()
+        try:
+            response = self.client.chat.completions.create(
+                model=self.model, messages=chat, temperature=0.0, max_tokens=self.max_tokens,
+                stop=list(STOP_SEQUENCES))
+        finally:
+            if self.lock is not None:
+                self.lock.acquire()
+        usage = response.usage
+        self.usage.append((usage.prompt_tokens, usage.completion_tokens) if usage and usage.prompt_tokens else None)
+        choice = response.choices[0]
+        text = choice.message.content or ""
+        if hasattr(choice, "stop_reason"):  # vLLM names the stop string that matched (None: the end of the turn)
+            stopped_at_call = choice.stop_reason == TOOL_CALL_END
+        else:  # other servers say only that one did
+            stopped_at_call = choice.finish_reason == "stop"
+        if stopped_at_call and text.rfind(TOOL_CALL_START) > text.rfind(TOOL_CALL_END):
+            text += TOOL_CALL_END
+        return text
+
+    def tokens_read(self) -> Optional[int]:
+        """Tokens the model read, each once (the prompt and the tool results, as the native engine counts them):
+        the last turn's prompt less the replies before it, from the server's counts; None without them."""
+        if not self.usage or any(u is None for u in self.usage):
+            return None
+        return self.usage[-1][0] - sum(c for _, c in self.usage[:-1])
+
+
+class EndpointRunner:
+    """A served model behind an OpenAI-compatible chat endpoint (`eval.endpoint`); see `ChatPolicy`.
+
+    Starting it probes GET /models: an unreachable server, a wrong URL or a model it does not serve is a
+    named ConfigError before any work. A failure later (a timeout or a 5xx after `eval.endpoint_retries`
+    retries, a prompt the server refuses) is that task's error row. Up to `eval.batch_size` episodes of a cell
+    run at once. Lengths are counted with `eval.model_path`'s tokenizer, else the one the served model's name
+    resolves to locally (a path, the HF cache).
+    """
+
+    name = "model"
+    backend = "endpoint"
+
+    def __init__(self, cfg: Any):
+        try:
+            import openai
+        except ImportError:
+            raise ConfigError("eval.endpoint: needs the `openai` package (vLLM installs it): pip install openai") from None
+        ev = cfg.eval
+        self.cfg, self.url = cfg, str(ev.endpoint).rstrip("/")
+        # the key comes from the environment, never from the config: config.yaml is written next to the results
+        self.client = openai.OpenAI(base_url=self.url, api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
+                                    timeout=float(ev.endpoint_timeout_s), max_retries=int(ev.endpoint_retries))
+        self.model, self.max_model_len = self._probe(openai, ev.endpoint_model)
+        self.tokenizer = self._tokenizer()
+        self._lock = threading.Lock()
+
+    def _probe(self, openai: Any, wanted: Optional[str]) -> tuple[str, Optional[int]]:
+        """The served model to evaluate and its context limit (vLLM reports `max_model_len`), from GET /models."""
+        try:
+            probe = self.client.with_options(max_retries=0, timeout=min(30.0, float(self.cfg.eval.endpoint_timeout_s)))
+            served = list(probe.models.list())
+        except openai.APIStatusError as e:
+            raise ConfigError(f"eval.endpoint: GET {self.url}/models answered HTTP {e.status_code}; is {self.url} the "
+                              f"base URL of an OpenAI-compatible API (it usually ends in /v1)?") from None
+        except openai.APIError as e:  # connection refused, unknown host, timeout
+            raise ConfigError(f"eval.endpoint: cannot reach {self.url} ({type(e).__name__}: {e}); start the server "
+                              f"(e.g. `vllm serve MODEL --port 8000`) or fix the URL") from None
+        names = [m.id for m in served]
+        if wanted is None and not names:
+            raise ConfigError(f"eval.endpoint: {self.url} serves no model (GET /models is empty); set eval.endpoint_model")
+        if wanted is not None and wanted not in names:
+            raise ConfigError(f"eval.endpoint_model: {wanted!r} is not served at {self.url}; it serves "
+                              f"{', '.join(map(repr, names)) or 'nothing'}")
+        model = wanted if wanted is not None else names[0]
+        limit = next((getattr(m, "max_model_len", None) for m in served if m.id == model), None)
+        return model, int(limit) if limit else None
+
+    def _tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if self.cfg.eval.model_path is not None:
+            return AutoTokenizer.from_pretrained(self.cfg.eval.model_path)
+        try:
+            return AutoTokenizer.from_pretrained(self.model, local_files_only=True)
+        except Exception:
+            raise ConfigError(f"eval.model_path: set it to a local directory with the tokenizer of {self.model!r} "
+                              f"(served at {self.url}): lengths are counted with the evaluated model's tokenizer, "
+                              f"and {self.model!r} does not resolve to a local one") from None
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "model": self.model, "endpoint": self.url}
+
+    def run(self, cell_tasks: Sequence["GridTask"]) -> list[dict[str, Any]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import envs
+        from envs.base import as_token_counter
+        from rl.evaluate import success_rule
+        from rl.longctx_eval import env_kwargs
+
+        cell = cell_tasks[0].cell
+        kwargs = env_kwargs(self.cfg, cell, self.tokenizer)
+        key = success_rule(envs.make(cell.family, **kwargs), self.cfg.env.success_key)
+        count = as_token_counter(self.tokenizer)
+        workers = max(1, min(len(cell_tasks), int(self.cfg.eval.batch_size)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda gt: self._task(gt, kwargs, key, count), cell_tasks))
+
+    def _task(self, gt: "GridTask", kwargs: dict[str, Any], key: Optional[str], count) -> dict[str, Any]:
+        import envs
+        from envs.base import Budget, run_episode
+
+        room = int(self.cfg.rollout.max_new_tokens)
+        if self.max_model_len and gt.cell.serve == "context" and gt.prompt_tokens + room > self.max_model_len:
+            return task_row(self.name, gt, 0.0, {}, {}, 0.0, "", key, error=(
+                f"prompt of {gt.prompt_tokens} tokens + {room} to answer exceeds the served model's context "
+                f"limit {self.max_model_len} (max_model_len at {self.url})"))
+        started = time.perf_counter()
+        policy = ChatPolicy(self.client, self.model, room, self._lock)
+        try:
+            with self._lock:  # environment code one episode at a time; the policy lets go while the server works
+                env = envs.make(gt.cell.family, **kwargs)
+                budget = Budget(**{**vars(env.budget), "max_turns": self.cfg.rollout.max_turns})
+                result = run_episode(env, gt.task, policy, budget, count)
+                read = policy.tokens_read()
+                if read is None:  # no usage from the server: counted like the baselines
+                    read = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")
+        except Exception as e:  # a timeout or server error after the retries: this task's error row
+            return task_row(self.name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
+                            error=f"{type(e).__name__}: {e}")
+        info = result.info
+        from rl.longctx_eval import REPORTED
+
+        rewards = {k: v for k, v in info.items() if k in REPORTED}
+        metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
+        return task_row(self.name, gt, result.reward, rewards, metrics, time.perf_counter() - started,
+                        _transcript(result.messages), key)
+
+
+# ---- the baselines
+
+def run_baseline(name: str, cfg: Any, cell_tasks: Sequence["GridTask"], tokenizer: Any) -> list[dict[str, Any]]:
+    """The `oracle` or `closed_book` policy on the tasks of one cell (envs.base.run_episode)."""
+    import random
+
+    import envs
+    from envs.base import Budget, as_token_counter, run_episode
+    from envs.teachers import ClosedBookPolicy, terminal_call
+    from rl.evaluate import success_rule
+    from rl.longctx_eval import REPORTED, env_kwargs
+
+    cell = cell_tasks[0].cell
+    env = envs.make(cell.family, **env_kwargs(cfg, cell, tokenizer))
+    key = success_rule(env, cfg.env.success_key)
+    budget = Budget(**{**vars(env.budget), "max_turns": cfg.rollout.max_turns})
+    count = as_token_counter(tokenizer)
+    guesses = []
+    if name == "closed_book":  # another task's final call: an answer of the right kind, not this task's
+        for gt in cell_tasks:
+            result = run_episode(env, gt.task, env.oracle(gt.task), budget, count)
+            guesses.append(terminal_call(env, result.messages))
+    rng = random.Random(f"closed_book:{cfg.eval.seed}:{cell.name}")
+    rows = []
+    for i, gt in enumerate(cell_tasks):
+        started = time.perf_counter()
+        try:
+            if name == "oracle":
+                policy = env.oracle(gt.task)
+            else:
+                others = [g for j, g in enumerate(guesses) if j != i and g is not None]
+                policy = ClosedBookPolicy(rng.choice(others)) if others else (lambda messages: "unanswerable")
+            result = run_episode(env, gt.task, policy, budget, count)
+            info = result.info
+            read = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")  # prompt + results
+            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
+            rewards = {k: v for k, v in info.items() if k in REPORTED}
+            rows.append(task_row(name, gt, result.reward, rewards, metrics, time.perf_counter() - started,
+                                 _transcript(result.messages), key))
+        except Exception as e:  # one task's failure is its row, not the run's end
+            rows.append(task_row(name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
+                                 error=f"{type(e).__name__}: {e}"))
+    return rows

@@ -268,7 +268,11 @@ class EvalConfig:
     temperature: float = 0.0
     """Sampling temperature of evaluation (0: greedy)."""
     families: list[str] = field(default_factory=lambda: ["needle", "multihop"])
-    """Long-context task families of `k3rl eval` (envs/longctx/: needle, multihop, aggregate, ith)."""
+    """Long-context task families of `k3rl eval` (envs/longctx/: needle, multihop, aggregate, ith; `file`: the
+    real tasks of `tasks_file`)."""
+    tasks_file: Optional[str] = None
+    """`k3rl eval`: the JSONL task file of the `file` family (real questions and documents; format in
+    envs/README.md), whose first `num_tasks` tasks fill each of its cells. Not `tasks_path` (the trainer's)."""
     context_lengths: list[int] = field(default_factory=lambda: [4096])
     """Lengths (tokens of the in-context prompt, counted with the evaluated model's tokenizer) of `k3rl eval`'s grid."""
     serve: list[str] = field(default_factory=lambda: ["context"])

@@ -1,9 +1,10 @@
 """Long-context evidence-retrieval evaluation (`k3rl eval CONFIG [key=value …]`).
 
-The grid: `eval.families` (envs/longctx/) × `eval.serve` (in context, or behind the search tool over
-the same haystack) × `eval.context_lengths` (tokens of the in-context prompt, counted with the
-evaluated model's tokenizer), `eval.num_tasks` tasks per cell, deterministic in `eval.seed`. Each task
-also records its evidence depth (where the first evidence passage sits in the haystack, 0 = start).
+The grid: `eval.families` (envs/longctx/; `file`: the real tasks of `eval.tasks_file`) × `eval.serve` (in
+context, or behind the search tool over the same haystack) × `eval.context_lengths` (tokens of the in-context
+prompt, counted with the evaluated model's tokenizer), `eval.num_tasks` tasks per cell, deterministic in
+`eval.seed`. Each task also records its evidence depth (where the first evidence passage sits in the
+haystack, 0 = start).
 
 Who is evaluated on the same tasks ("runners", rl/eval_runners.py): the model of `eval.model_path` on the
 engine of `rollout.engine` (k3rl's own or vLLM, greedy, the rollout limits of `rollout:`), or a served model
@@ -73,11 +74,20 @@ class GridTask:
 def check(cfg: Any) -> None:
     """Named errors for an eval config that cannot run, before anything is written."""
     from envs.longctx.families import FAMILIES
+    from envs.longctx.taskfile import FILE_FAMILY, TaskFileError, read_task_file
 
     ev = cfg.eval
-    unknown = [f for f in ev.families if f not in FAMILIES]
+    families = [*FAMILIES, FILE_FAMILY]
+    unknown = [f for f in ev.families if f not in families]
     if unknown or not ev.families:
-        raise ConfigError(f"eval.families: {unknown or 'empty'}; choose from {', '.join(FAMILIES)}")
+        raise ConfigError(f"eval.families: {unknown or 'empty'}; choose from {', '.join(families)}")
+    if FILE_FAMILY in ev.families:  # the whole file is checked: a bad line is named before any work
+        if not ev.tasks_file:
+            raise ConfigError(f"eval.tasks_file: the {FILE_FAMILY!r} family needs a JSONL task file (envs/README.md)")
+        try:
+            read_task_file(ev.tasks_file)
+        except TaskFileError as e:
+            raise ConfigError(f"eval.tasks_file: {e}") from None
     bad = [s for s in ev.serve if s not in SERVINGS]
     if bad or not ev.serve:
         raise ConfigError(f"eval.serve: {bad or 'empty'}; choose from {', '.join(SERVINGS)}")
@@ -99,9 +109,12 @@ def env_kwargs(cfg: Any, cell: Cell, tokenizer: Any) -> dict[str, Any]:
     grid's own keys), the cell's serving and length, and the tokenizer lengths are counted with."""
     from omegaconf import OmegaConf
 
+    from envs.longctx.taskfile import FILE_FAMILY
+
     base = OmegaConf.to_container(cfg.env.args, resolve=True) if cfg.env.name == cell.family else {}
-    base = {k: v for k, v in (base or {}).items() if k not in ("serve", "length", "tokenizer")}
-    return {**base, "serve": cell.serve, "length": cell.length, "tokenizer": tokenizer}
+    base = {k: v for k, v in (base or {}).items() if k not in ("serve", "length", "tokenizer", "path")}
+    own = {"path": cfg.eval.tasks_file} if cell.family == FILE_FAMILY else {}
+    return {**base, **own, "serve": cell.serve, "length": cell.length, "tokenizer": tokenizer}
 
 
 def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
@@ -115,7 +128,11 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
                 cell = Cell(family, serve, int(length))
                 env = envs.make(family, **env_kwargs(cfg, cell, tokenizer))
                 # the same task seeds at every length and serving: cells differ only in the haystack
-                for i, task in enumerate(env.tasks(ev.num_tasks, seed=ev.seed)):
+                tasks = env.tasks(ev.num_tasks, seed=ev.seed)
+                if len(tasks) < ev.num_tasks and (not out or out[-1].cell.family != family):  # said once
+                    print(f"k3rl eval: {family} has {len(tasks)} tasks (eval.tasks_file), fewer than "
+                          f"eval.num_tasks={ev.num_tasks}: each of its cells runs all of them", flush=True)
+                for i, task in enumerate(tasks):
                     task = {**task, "length": cell.length}
                     try:
                         inst = env.instance(task)
@@ -184,7 +201,7 @@ def run_eval(cfg: Any) -> Path:
     print(f"k3rl eval: {evaluated['model']} on {evaluated['backend']}", flush=True)
     started = time.perf_counter()
     grid = build_grid(cfg, tokenizer)
-    print(f"k3rl eval: {len(grid)} tasks in {len(grid) // ev.num_tasks} cells, built in "
+    print(f"k3rl eval: {len(grid)} tasks in {len({gt.cell for gt in grid})} cells, built in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     # what decides the rows (not where they are written): a resumed eval must have the same

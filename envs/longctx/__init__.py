@@ -7,7 +7,9 @@ Families (each instance is a pure function of ``(family, seed, options)``):
 - ``aggregate``: sum, count or arg-max over scattered ledger entries.
 - ``ith``: the i-th of m near-identical memos (MRCR).
 
-A share of every family (``unanswerable_rate``) has no answer in the text (a missing
+- ``file``: real questions and documents from a JSONL task file (multi-hop QA, long-document QA).
+
+A share of every synthetic family (``unanswerable_rate``) has no answer in the text (a missing
 link, an absent key, i > m); the gold answer is then "unanswerable". Served **in
 context** (``serve="context"``) or **behind search** (``serve="search"``).
 
@@ -16,7 +18,8 @@ module per family holding its vocabulary, sentence templates, generator and solv
 (``needle.py``, ``multihop.py``, ``aggregate.py``, ``ith.py``), ``families.py`` (the
 family table), ``haystack.py`` (``generate``: facts hidden in real text, sized;
 the in-context prompt), ``oracles.py`` (solvers played as policies), ``serving.py``
-(the environments; registers them). Imports run one way, towards ``task.py``; nothing
+(the environments; registers them), ``taskfile.py`` (the ``file`` family: the task format, its
+checks, its haystacks and environments). Imports run one way, towards ``task.py``; nothing
 here is imported by envs/search.py.
 """
 
@@ -30,11 +33,12 @@ from envs.longctx.needle import COLOURS, OBJECTS, ROLES
 from envs.longctx.oracles import ContextOracle, FamilySearchOracle, solve_in_context
 from envs.longctx.serving import PROMPT_SEARCH, PROMPT_SEARCH_MINIMAL, LongContextEnv, LongContextSearchEnv
 from envs.longctx.task import UNANSWERABLE, Fact, Instance, Passages, Solver
+from envs.longctx.taskfile import FILE_FAMILY, FileTask, TaskFile, TaskFileError, read_task_file
 
 __all__ = [
-    "COLOURS", "DEFAULTS", "ENTITY_PATTERN", "FAMILIES", "GENERATORS", "GOODS", "MEMO_ADJ", "MEMO_OBJ", "OBJECTS",
-    "ORDINALS", "PROMPT_CONTEXT", "PROMPT_SEARCH", "PROMPT_SEARCH_MINIMAL", "RELATIONS", "ROLES", "SOLVERS",
-    "UNANSWERABLE", "ContextOracle", "FamilySearchOracle", "Fact", "Instance", "LongContextEnv",
-    "LongContextSearchEnv", "Passages", "Solver", "generate", "haystack_pool", "parse_context", "pool_words",
-    "render_context", "solve_in_context",
+    "COLOURS", "DEFAULTS", "ENTITY_PATTERN", "FAMILIES", "FILE_FAMILY", "GENERATORS", "GOODS", "MEMO_ADJ",
+    "MEMO_OBJ", "OBJECTS", "ORDINALS", "PROMPT_CONTEXT", "PROMPT_SEARCH", "PROMPT_SEARCH_MINIMAL", "RELATIONS",
+    "ROLES", "SOLVERS", "UNANSWERABLE", "ContextOracle", "FamilySearchOracle", "Fact", "FileTask", "Instance",
+    "LongContextEnv", "LongContextSearchEnv", "Passages", "Solver", "TaskFile", "TaskFileError", "generate",
+    "haystack_pool", "parse_context", "pool_words", "read_task_file", "render_context", "solve_in_context",
 ]

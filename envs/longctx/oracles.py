@@ -6,11 +6,15 @@ query and returns ``(answer, evidence ids)``; it reaches the answer from the tex
 the whole haystack from the prompt and answers in one turn, citing passages;
 ``FamilySearchOracle`` turns each query into a ``search`` call. Their turns are SFT
 demonstrations (rl/demonstrations.py), and running them shows the tasks are solvable.
+
+Real questions (the ``file`` family, taskfile.py) have no solver: ``PassageContextOracle`` and
+``PassageSearchOracle`` know the gold answer and evidence texts, and show where the evidence is — in
+the prompt, or by searching the question — saying so when they cannot find it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from envs.base import last_observation, user_prompt
 from envs.longctx.families import SOLVERS
@@ -64,3 +68,58 @@ class FamilySearchOracle:
             answer, _ = stop.value
             return "I have what I need.\n" + format_call("answer", {"text": answer})
         return f"Searching for {query!r}.\n" + format_call("search", {"query": query, "k": self.k})
+
+
+class PassageContextOracle:
+    """Finds the gold evidence passages in the prompt by their text, and answers the gold answer citing them."""
+
+    def __init__(self, answer: str, evidence: Sequence[str]):
+        self.answer, self.evidence = answer, set(evidence)
+
+    def __call__(self, messages: list[dict[str, Any]]) -> str:
+        _, passages = parse_context(user_prompt(messages))
+        cited = [pid for pid, text in passages if text in self.evidence]
+        found = {text for _, text in passages} & self.evidence
+        note = (f"The evidence is in {', '.join(cited)}." if cited else "There is no evidence passage.")
+        if len(found) < len(self.evidence):
+            note += f" {len(self.evidence) - len(found)} evidence passage(s) are not in the text; I answer anyway."
+        return note + "\n" + format_call("answer", {"text": self.answer, "evidence": cited})
+
+
+class PassageSearchOracle:
+    """Searches the question, then the titles (or first words) of the evidence passages not yet found; opens
+    evidence passages whose results were cut; answers the gold answer — saying which evidence search missed."""
+
+    def __init__(self, question: str, answer: str, evidence: Mapping[str, str], k: int = 20):
+        """``evidence``: passage id → what to search for it when the question does not find it."""
+        self.question, self.answer, self.evidence, self.k = question, answer, dict(evidence), k
+        self.found: set[str] = set()
+        self.to_open: list[str] = []
+        self.queries = 0
+
+    def _search(self, why: str, query: str) -> str:
+        self.queries += 1
+        return f"{why}\n" + format_call("search", {"query": query, "k": self.k})
+
+    def __call__(self, messages: list[dict[str, Any]]) -> str:
+        obs = last_observation(messages) or ""
+        if obs.startswith("Results for"):
+            for pid, text in parse_results(obs):
+                if pid in self.evidence and pid not in self.found:
+                    self.found.add(pid)
+                    if text.endswith(" …"):  # the result showed only the passage's beginning
+                        self.to_open.append(pid)
+        if self.queries == 0:
+            return self._search("I will search for the question.", self.question)
+        missing = [pid for pid in self.evidence if pid not in self.found]
+        if missing and self.queries == 1:
+            return self._search("Some evidence is still missing; I search for it by name.",
+                                " ".join(self.evidence[pid] for pid in missing))
+        if self.to_open:
+            pid = self.to_open.pop(0)
+            return f"Passage {pid} was cut; I read it.\n" + format_call("open", {"doc_id": pid})
+        if missing:
+            note = f"Search did not find evidence passage(s) {', '.join(missing)}; I answer from the gold answer."
+        else:
+            note = f"The evidence is in {', '.join(sorted(self.found))}." if self.found else "There is no evidence passage."
+        return note + "\n" + format_call("answer", {"text": self.answer})

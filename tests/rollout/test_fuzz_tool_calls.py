@@ -2,8 +2,9 @@
 
 Model-written turns — well-formed calls of each tool with arguments that carry the tokenizer's special
 tokens, the protocol's markers and broken JSON, and free text around them — are fed to episodes of
-every registered environment (`search` over task passages that carry the same payloads, and the
-long-context families served behind the search tool). Checked after every turn:
+every registered environment (`search` over task passages that carry the same payloads, the
+long-context families served behind the search tool, and the `file` family over a task file of those
+passages). Checked after every turn:
 - no exception escapes `Episode.step`: a bad call becomes an error observation;
 - the observation, rendered for the model (rollout/chat.py `observation_tokens`), holds exactly the
   special-token ids of the template's own tool turn — no text, however hostile, adds or removes one;
@@ -97,7 +98,7 @@ def search_tasks(pool: list[str], rng: random.Random) -> list[dict]:
              "evidence": [f"p{i}"], "passages": passages} for i in range(3)]
 
 
-def test_fuzz_every_builtin_environment(tokenizer):
+def test_fuzz_every_builtin_environment(tokenizer, tmp_path):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     renderer = ChatRenderer(tokenizer)
@@ -110,6 +111,11 @@ def test_fuzz_every_builtin_environment(tokenizer):
     for entry in builtin:
         if entry.name == "search":
             built[entry.name] = (SearchEnv(corpus=None), search_tasks(pool, rng))
+        elif entry.name == "file":  # real-data tasks: the payloads are in the task file's passages
+            path = tmp_path / "tasks.jsonl"
+            path.write_text("".join(json.dumps(t) + "\n" for t in search_tasks(pool, rng)))
+            env = envs.make("file", path=str(path), **LONGCTX_ARGS)
+            built[entry.name] = (env, env.tasks(3, seed=rng.randrange(300)))
         else:
             env = envs.make(entry.name, **LONGCTX_ARGS) if entry.name in ("needle", "multihop", "aggregate", "ith") \
                 else envs.make(entry.name, **ENV_ARGS.get(entry.name, {}))

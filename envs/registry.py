@@ -125,13 +125,29 @@ def resolve(name: str) -> Entry:
                              f"named 'module.path:ClassName' (e.g. guess_env:Guess beside guess_env.py)")
 
 
-def make(name: str, **kwargs: Any) -> Env:
-    """Build the environment ``name`` (registered, entry point or ``module:Class``) with ``kwargs``."""
+def make(name: str, tokenizer: Any = None, **kwargs: Any) -> Env:
+    """Build the environment ``name`` (registered, entry point or ``module:Class``) with ``kwargs``.
+
+    ``tokenizer``: the policy's tokenizer, passed on to environments that count tokens (those taking a
+    ``tokenizer`` argument: the long-context families size their haystacks with it) and not to the others,
+    so every part that has a model (rollout workers, evaluation, SFT) sizes tasks in that model's tokens."""
     entry = resolve(name)
+    if tokenizer is not None and "tokenizer" not in kwargs and counts_tokens(entry.target):
+        kwargs["tokenizer"] = tokenizer
     env = entry.target(**kwargs)
     if not isinstance(env, Env):
         raise TypeError(f"environment {name!r} built a {type(env).__name__}, not an Env")
     return env
+
+
+def counts_tokens(target: Callable[..., Any]) -> bool:
+    """Whether an environment class or factory takes a ``tokenizer`` argument."""
+    import inspect
+
+    try:
+        return "tokenizer" in inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
 
 
 def user_module_path(name: str) -> Path | None:

@@ -79,7 +79,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
         raise ValueError(f"closed_book_rate + hedging_rate: each ≥ 0 and together < 1, got {closed_book_rate} "
                          f"and {hedging_rate}")
     renderer = ChatRenderer(tokenizer)
-    env = envs.make(env_name, **(env_kwargs or {}))
+    env = envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {}))
     tasks = env.tasks(n, seed) if tasks is None else list(tasks)
     budget = env.budget if max_turns is None else Budget(**{**vars(env.budget), "max_turns": max_turns})
     count = lambda s: len(renderer.encode_text(s, tool_result=True))  # noqa: E731  (observations clipped as the agent loop clips them)

@@ -133,12 +133,12 @@ def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_k
     from rollout.torch_engine import TorchEngine
 
     was_training = model.training
-    env0 = envs.make(env_name, **(env_kwargs or {}))
+    env0 = envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {}))
     key = success_rule(env0, success_key)
     budget = env0.budget if max_turns is None else Budget(**{**vars(env0.budget), "max_turns": max_turns})
     names = set(env0.tool_specs())
     engine = TorchEngine(model, tokenizer, device=device)
-    loop = AgentLoop(engine, tokenizer, lambda: envs.make(env_name, **(env_kwargs or {})),
+    loop = AgentLoop(engine, tokenizer, lambda: envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {})),
                      SamplingParams(temperature=0.0, max_tokens=max_new_tokens), budget=budget,
                      max_context_tokens=max_context_tokens, env_name=env_name)
     started = time.perf_counter()

@@ -91,7 +91,8 @@ class RolloutWorker:
 
         self.spec = spec
         self.engine = build_engine(spec)
-        self.loop = AgentLoop(self.engine, self.engine.tokenizer, lambda: envs.make(spec.env, **spec.env_kwargs),
+        tokenizer = self.engine.tokenizer  # environments that count tokens count the policy's
+        self.loop = AgentLoop(self.engine, tokenizer, lambda: envs.make(spec.env, tokenizer=tokenizer, **spec.env_kwargs),
                               spec.sampling, budget=spec.budget, max_context_tokens=spec.max_context_tokens,
                               env_name=spec.env)
         self.started = time.time()

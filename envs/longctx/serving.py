@@ -175,11 +175,11 @@ def _checked_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _family_factory(family: str) -> Callable[..., Env]:
-    def make(serve: str = "context", **kwargs: Any) -> Env:
+    def make(serve: str = "context", tokenizer: Any = None, **kwargs: Any) -> Env:
         if serve == "context":
-            return LongContextEnv(family, **kwargs)
+            return LongContextEnv(family, tokenizer=tokenizer, **kwargs)
         if serve == "search":
-            return LongContextSearchEnv(family, **kwargs)
+            return LongContextSearchEnv(family, tokenizer=tokenizer, **kwargs)
         raise ValueError(f"serve must be 'context' or 'search', got {serve!r}")
 
     make.__name__ = family

@@ -291,6 +291,10 @@ class EvalConfig:
     """`k3rl eval`: seconds one chat request to `endpoint` may take; past it (or on a 5xx) it is retried."""
     endpoint_retries: int = 2
     """`k3rl eval`: retries of a failed chat request (with backoff); then the task is an error row and the run goes on."""
+    max_position_embeddings: Optional[int] = None
+    """`k3rl eval`: evaluate the model (native engine) with this many positions instead of its config's — to
+    measure retrieval beyond the length it was trained at (NoPE MLA and KDA use no positions; a RoPE model
+    extrapolates). null: the model's own limit, past which a task is an error row."""
     baselines: list[str] = field(default_factory=lambda: ["oracle", "closed_book"])
     """`k3rl eval`: reference policies run on the same tasks — `oracle` (the ceiling) and `closed_book` (answers
     at once with another task's answer: the floor)."""

@@ -33,8 +33,10 @@ K3_MODEL_TYPES = ("k3rl_k3", "kimi_k3", "kimi_linear")
 
 def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics: dict, seconds: float,
              transcript: str, success_key: Optional[str], error: str = "") -> dict[str, Any]:
-    """One row of tasks.jsonl: the task, its cell and depth, the reported reward components, success by the
-    environment's rule (never for an error row), tool calls, tokens read, wall time and the transcript."""
+    """One row of tasks.jsonl: the task, its cell and depth, `prompt_tokens` (the whole in-context prompt of its
+    haystack, the cell's measure), the reported reward components, success by the environment's rule (never for
+    an error row), tool calls, tokens read, wall time, the transcript, and for the model the first prompt the
+    engine was given (`engine_prompt_tokens`: in context, the cell's prompt as rendered for that model)."""
     from rl.eval_report import Episode
     from rl.evaluate import is_success
     from rl.longctx_eval import REPORTED
@@ -47,7 +49,8 @@ def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics:
             "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
             "tool_calls": float(metrics.get("tool_calls", 0.0)),
             "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
-            "error": error, "transcript": transcript}
+            "error": error, "transcript": transcript,
+            **({"engine_prompt_tokens": int(metrics["engine_prompt_tokens"])} if "engine_prompt_tokens" in metrics else {})}
 
 
 def _transcript(messages: Sequence[dict[str, Any]]) -> str:
@@ -144,6 +147,12 @@ class ModelRunner:
             self.policy = load_policy(model_path, torch.float32, cfg.run.device)
             self.model = self.policy.model.eval()
             text = self.model.config.get_text_config()
+            own = int(getattr(text, "max_position_embeddings", 0) or 0)
+            wanted = cfg.eval.max_position_embeddings
+            if wanted is not None and wanted != own:
+                text.max_position_embeddings = int(wanted)  # read at every forward (model/cache.py make_step)
+                print(f"k3rl eval: the model's {own} positions set to {wanted} (eval.max_position_embeddings)",
+                      flush=True)
             self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
 
     def describe(self) -> dict[str, Any]:
@@ -157,9 +166,12 @@ class ModelRunner:
     def _engine(self):
         if self.backend == "vllm":
             return self.engine
+        from omegaconf import OmegaConf
+
         from rollout.torch_engine import TorchEngine
 
-        return TorchEngine(self.model, self.tokenizer, device=self.cfg.run.device)
+        args = OmegaConf.to_container(self.cfg.rollout.engine_args, resolve=True) or {}  # e.g. prefill_tokens
+        return TorchEngine(self.model, self.tokenizer, device=self.cfg.run.device, **args)
 
     def run(self, cell_tasks: Sequence["GridTask"]) -> list[dict[str, Any]]:
         import envs
@@ -201,7 +213,8 @@ class ModelRunner:
         seconds = (time.perf_counter() - started) / len(runnable)
         for gt, t in zip(runnable, trajectories):
             transcript = self.tokenizer.decode(t.tokens[t.prompt_len:].tolist(), skip_special_tokens=False)
-            metrics = {"tool_calls": t.metrics.get("tool_calls", 0.0), "tokens_read": float(len(t.tokens) - t.num_sampled)}
+            metrics = {"tool_calls": t.metrics.get("tool_calls", 0.0), "tokens_read": float(len(t.tokens) - t.num_sampled),
+                       "engine_prompt_tokens": t.prompt_len}  # the first prompt as the engine got it
             rows.append(task_row(self.name, gt, t.reward, t.rewards, metrics, seconds, transcript, key))
         return rows
 

@@ -69,6 +69,19 @@ class GridTask:
     depth: float
     """Position of the first evidence passage in the haystack, in [0, 1] (NaN when it has none: unanswerable)."""
     prompt_tokens: int
+    """Tokens of the whole in-context prompt (chat template, system message with the tools, the user message)."""
+
+
+def scaffold_tokens(env: Any, tokenizer: Any) -> int:
+    """Tokens the chat template and the system message (tools, call syntax) add to an in-context prompt's user
+    message, so a cell's length counts the whole prompt the model reads, not the user message alone
+    (0 for a tokenizer without a chat template: then only the user message is counted)."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return 0
+    from rollout.chat import ChatRenderer
+
+    messages = [{"role": "system", "content": env.system_message()}, {"role": "user", "content": ""}]
+    return len(ChatRenderer(tokenizer).prompt_tokens(messages))
 
 
 def check(cfg: Any) -> None:
@@ -123,6 +136,9 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
 
     ev, out = cfg.eval, []
     for family in ev.families:
+        # both servings get the haystack of the in-context prompt of the cell's length
+        scaffold = scaffold_tokens(envs.make(family, **env_kwargs(cfg, Cell(family, "context", 0), tokenizer)),
+                                   tokenizer)
         for serve in ev.serve:
             for length in ev.context_lengths:
                 cell = Cell(family, serve, int(length))
@@ -133,15 +149,17 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
                     print(f"k3rl eval: {family} has {len(tasks)} tasks (eval.tasks_file), fewer than "
                           f"eval.num_tasks={ev.num_tasks}: each of its cells runs all of them", flush=True)
                 for i, task in enumerate(tasks):
-                    task = {**task, "length": cell.length}
+                    task = {**task, "length": cell.length - scaffold}
                     try:
                         inst = env.instance(task)
                     except ValueError as e:  # a length too short for the family's facts, a source too small
-                        raise ConfigError(f"eval.context_lengths: cannot build {cell.name} task {i}: {e}") from None
+                        raise ConfigError(f"eval.context_lengths: cannot build {cell.name} task {i}: {e} (the cell's "
+                                          f"{cell.length} tokens minus {scaffold} of chat template and system "
+                                          f"message)") from None
                     ids = [p for p, _ in inst.passages]
                     first = min((ids.index(e) for e in inst.evidence if e in ids), default=None)
                     depth = math.nan if first is None else first / max(1, len(ids) - 1)
-                    out.append(GridTask(cell, f"{cell.name}/{i}", task, depth, int(inst.meta["tokens"])))
+                    out.append(GridTask(cell, f"{cell.name}/{i}", task, depth, scaffold + int(inst.meta["tokens"])))
     return out
 
 

@@ -61,8 +61,12 @@ def test_every_cell_and_runner_is_reported_and_the_baselines_bound_the_scale(fir
             assert c["success"] == 1.0, c
         if runner == "closed_book":
             assert c["success"] <= 1 / 3, c
-    # the lengths are the model tokenizer's counts of the in-context prompt
+    # the lengths are the model tokenizer's counts of the whole in-context prompt (chat template, system message
+    # with the tools, user message): what the engine was given, filled to within a passage of the length
     assert all(r["prompt_tokens"] <= r["length"] for r in rows)
+    given = [r for r in rows if r["runner"] == "model" and r["serve"] == "context"]
+    assert given and all(abs(r["engine_prompt_tokens"] - r["prompt_tokens"]) <= 2 for r in given), given[0]
+    assert all(r["engine_prompt_tokens"] > r["length"] - 300 for r in given)
     assert {e["runner"] for e in result["effective_lengths"]} == {"model", "oracle", "closed_book"}
     assert all(e["effective_length"] == 2048 for e in result["effective_lengths"] if e["runner"] == "oracle")
     search_rows = [r for r in rows if r["serve"] == "search" and r["runner"] == "oracle"]
@@ -100,6 +104,15 @@ def test_a_length_the_model_cannot_hold_is_an_error_row_and_the_run_goes_on(k3_d
     result = json.loads((tmp_path / "e" / "results.json").read_text())
     (cell,) = [c for c in result["cells"] if c["runner"] == "model" and c["length"] == 8192]
     assert cell["errors"] == 3
+
+
+def test_eval_sets_the_models_positions(k3_dir, tmp_path):
+    """eval.max_position_embeddings replaces the model's limit for the evaluation (here lowered below a cell)."""
+    assert run(tmp_path, k3_dir, "eval.families=[needle]", "eval.serve=[context]", "eval.baselines=[]",
+               "eval.context_lengths=[1024,2048]", "eval.max_position_embeddings=1500", "eval.num_tasks=1") == 0
+    rows = read_rows(tmp_path / "e" / "tasks.jsonl")
+    assert [bool(r["error"]) for r in sorted(rows, key=lambda r: r["length"])] == [False, True]
+    assert "max_position_embeddings 1500" in max(rows, key=lambda r: r["length"])["error"]
 
 
 @pytest.mark.parametrize("override, message", [

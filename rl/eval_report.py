@@ -97,10 +97,12 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def heatmap(result: dict[str, Any], runner: str, path: Path, depth_bins: int) -> Optional[Path]:
-    """Success of `runner` by length (columns) × evidence depth (rows), one panel per family and serving."""
-    cells = [c for c in result["cells"] if c["runner"] == runner]
-    if not cells:
+def heatmap(result: dict[str, Any], runners: Sequence[str], path: Path, depth_bins: int) -> Optional[Path]:
+    """Success by length (columns) × evidence depth (rows): one row of panels per runner (the evaluated model
+    first, then the oracle's ceiling and the closed-book floor, so the scale is in the picture), one panel per
+    family and serving."""
+    runners = [r for r in runners if any(c["runner"] == r for c in result["cells"])]
+    if not runners:
         return None
     import matplotlib
 
@@ -108,27 +110,37 @@ def heatmap(result: dict[str, Any], runner: str, path: Path, depth_bins: int) ->
     import matplotlib.pyplot as plt
     import numpy as np
 
-    panels = sorted({(c["family"], c["serve"]) for c in cells})
-    lengths = sorted({c["length"] for c in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1, 3.2), squeeze=False)
-    for ax, (family, serve) in zip(axes[0], panels):
-        grid = np.full((depth_bins, len(lengths)), np.nan)
-        for c in cells:
-            if (c["family"], c["serve"]) == (family, serve):
-                for b, d in enumerate(c["by_depth"]):
-                    if d["tasks"]:
-                        grid[b, lengths.index(c["length"])] = d["successes"] / d["tasks"]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
-        for (b, j), v in np.ndenumerate(grid):
-            if not np.isnan(v):
-                ax.text(j, b, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
-        ax.set_yticks(range(depth_bins), [f"{b / depth_bins:.0%}–{(b + 1) / depth_bins:.0%}" for b in range(depth_bins)]
-                      if ax is axes[0][0] else [""] * depth_bins)
-        ax.set_title(f"{family} · {serve}", fontsize=10)
-        ax.set_xlabel("context length (tokens)")
-    axes[0][0].set_ylabel("evidence depth")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=f"{runner} success (EM)")
+    panels = sorted({(c["family"], c["serve"]) for c in result["cells"]})
+    lengths = sorted({c["length"] for c in result["cells"]})
+    fig, axes = plt.subplots(len(runners), len(panels), figsize=(3.2 * len(panels) + 1.2, 2.6 * len(runners) + 0.4),
+                             squeeze=False)
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("#e8e8e8")  # no task of the cell fell in that depth bin
+    im = None
+    for row, runner in enumerate(runners):
+        for col, (family, serve) in enumerate(panels):
+            ax = axes[row][col]
+            grid = np.full((depth_bins, len(lengths)), np.nan)
+            for c in result["cells"]:
+                if (c["runner"], c["family"], c["serve"]) == (runner, family, serve):
+                    for b, d in enumerate(c["by_depth"]):
+                        if d["tasks"]:
+                            grid[b, lengths.index(c["length"])] = d["successes"] / d["tasks"]
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap=cmap, aspect="auto", origin="upper")
+            for (b, j), v in np.ndenumerate(grid):
+                if not np.isnan(v):
+                    ax.text(j, b, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black",
+                            fontsize=8)
+            ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+            ax.set_yticks(range(depth_bins), [f"{b / depth_bins:.0%}–{(b + 1) / depth_bins:.0%}"
+                                              for b in range(depth_bins)] if col == 0 else [""] * depth_bins)
+            if row == 0:
+                ax.set_title(f"{family} · {serve}", fontsize=10)
+            if row == len(runners) - 1:
+                ax.set_xlabel("context length (tokens)")
+            if col == 0:
+                ax.set_ylabel(f"{runner}\nevidence depth")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="success (EM)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -269,7 +269,7 @@ def run_eval(cfg: Any) -> Path:
               **aggregate(rows, ev.effective_ratio, ev.depth_bins)}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(markdown(result))
-    shown = heatmap(result, "model", out / "heatmap.png", ev.depth_bins)
+    shown = heatmap(result, ["model", *ev.baselines], out / "heatmap.png", ev.depth_bins)
     print(markdown(result), end="", flush=True)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {shown}, {out / TASKS_FILE} "
           f"[{time.perf_counter() - started:.0f} s]", flush=True)

@@ -134,3 +134,35 @@ def test_effective_length_is_the_longest_run_above_the_ratio():
     assert effective_length([(1024, 0.8), (4096, 0.6)], 0.85) == 1024
     assert effective_length([(1024, 0.0), (4096, 0.6)], 0.85) is None
     assert effective_length([(4096, 1.0), (1024, 1.0)], 0.85) == 4096
+
+
+def test_kill_9_mid_eval_then_resume_loses_and_repeats_nothing(k3_dir, tmp_path):
+    """A real `k3rl eval` process killed with SIGKILL once some rows are written; the same command again
+    finishes the grid: every row before the kill kept as it was, none written twice, none missing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "rl.longctx_eval", str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={tmp_path}",
+           "run.name=e", f"eval.model_path={k3_dir}", *GRID, "eval.families=[needle]", "eval.context_lengths=[1024]",
+           "eval.num_tasks=4", "eval.batch_size=1"]
+    rows_file = tmp_path / "e" / "tasks.jsonl"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if rows_file.is_file() and len(read_rows(rows_file)) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the eval finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = read_rows(rows_file)
+    total = 4 * 2 * 3  # tasks × servings × runners (model, oracle, closed_book)
+    assert 3 <= len(before) < total
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    after = read_rows(rows_file)
+    assert after[:len(before)] == before
+    keys = [(r["runner"], r["task_id"]) for r in after]
+    assert len(keys) == len(set(keys)) == total

@@ -123,27 +123,33 @@ class MultiheadLatentAttention(nn.Module):
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
     def _attend_blocked(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
-        """The absorbed form, `rows` queries at a time, each block over the keys up to its last query."""
+        """The absorbed form, `rows` queries at a time, each block over the keys up to its last query. A block
+        of real tokens masks only what it must — the padding keys at the front, its own future in the diagonal
+        tile — instead of building a [t, keys] mask; a block holding padding queries takes the full mask."""
         B, S, D = latent.shape
         T, H = q_nope.shape[1], self.num_heads
         w_uk, w_uv = self._absorbed_weights()
-        q = torch.cat([torch.einsum("bthn,hnl->bthl", q_nope, w_uk), q_pe], dim=-1)  # [B, T, H, Lkv + dr]
+        q = torch.cat([torch.einsum("bthn,hnl->bthl", q_nope, w_uk), q_pe], dim=-1) * self.scale  # [B, T, H, D]
         values = latent[..., : self.kv_rank]  # [B, S, Lkv]
         rows = max(1, SCORE_BUDGET // (B * H * S))
         dt = torch.promote_types(latent.dtype, torch.float32)
+        pad_end = int(step.pad.max())  # keys before this may be padding (of some row)
+        pad_keys = torch.arange(pad_end, device=latent.device)[None, :] < step.pad[:, None]  # [B, pad_end]
+        future = torch.ones(rows, rows, dtype=torch.bool, device=latent.device).triu_(1)  # [t, t]
         out = latent.new_empty(B, T, H, self.kv_rank)
         for lo in range(0, T, rows):
             hi = min(T, lo + rows)
-            keys = step.start + hi  # causal: no query of this block sees beyond its last token
+            t, keys = hi - lo, step.start + hi  # causal: no query of this block sees beyond its last token
             scores = torch.matmul(q[:, lo:hi].flatten(1, 2), latent[:, :keys].transpose(1, 2))  # [B, t·H, keys]
-            scores = scores.to(dt).mul_(self.scale).view(B, hi - lo, H, keys)
-            mask = step.attn_mask(lo, hi, keys)  # [B, 1, t, keys] or None (then plain causal)
-            if mask is None:
-                mask = (torch.arange(keys, device=latent.device)[None, :]
-                        <= step.start + torch.arange(lo, hi, device=latent.device)[:, None])[None, None]
-            scores.masked_fill_(~mask.transpose(1, 2), float("-inf"))
+            scores = scores.to(dt).view(B, t, H, keys)
+            if step.start + lo >= pad_end:  # every query is a real token
+                if pad_end:
+                    scores[..., :pad_end].masked_fill_(pad_keys[:, None, None, :], float("-inf"))
+                scores[..., keys - t:].masked_fill_(future[:t, None, :t], float("-inf"))
+            else:
+                scores.masked_fill_(~step.attn_mask(lo, hi, keys).transpose(1, 2), float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(latent.dtype).flatten(1, 2)  # [B, t·H, keys]
-            out[:, lo:hi] = torch.matmul(probs, values[:, :keys]).view(B, hi - lo, H, self.kv_rank)
+            out[:, lo:hi] = torch.matmul(probs, values[:, :keys]).view(B, t, H, self.kv_rank)
         return torch.einsum("bthl,hvl->bthv", out, w_uv)  # [B, T, H, dv]
 
     def _attend_absorbed(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:

@@ -151,7 +151,7 @@ class ModelRunner:
             wanted = cfg.eval.max_position_embeddings
             if wanted is not None and wanted != own:
                 text.max_position_embeddings = int(wanted)  # read at every forward (model/cache.py make_step)
-                self.tokenizer.model_max_length = max(int(wanted), self.tokenizer.model_max_length or 0)
+                self.tokenizer.model_max_length = int(1e30)  # transformers' "no limit": haystack drafts run past it
                 print(f"k3rl eval: the model's {own} positions set to {wanted} (eval.max_position_embeddings)",
                       flush=True)
             self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)

@@ -28,7 +28,7 @@ import pytest
 from rl.longctx_eval import main, read_rows
 
 REPO = Path(__file__).parents[2]
-GRID = ["eval.families=[needle]", "eval.serve=[context,search]", "eval.context_lengths=[1024]", "eval.num_tasks=2",
+GRID = ["eval.families=[needle]", "eval.serve=[context,search]", "eval.context_lengths=[2048]", "eval.num_tasks=2",
         "eval.batch_size=2", "eval.baselines=[]", "rollout.max_new_tokens=16", "rollout.max_turns=2"]
 SERVED_NAME = "tiny-qwen3"
 STARTUP_S = 300
@@ -100,7 +100,7 @@ def endpoint_run(served, tiny_qwen3_dir, tmp_path_factory):
 @pytest.mark.vllm
 def test_a_served_model_is_evaluated_through_the_endpoint(endpoint_run, served):
     rows = read_rows(endpoint_run / "tasks.jsonl")
-    assert sorted(r["task_id"] for r in rows) == [f"needle/{s}/1024/{i}" for s in ("context", "search") for i in (0, 1)]
+    assert sorted(r["task_id"] for r in rows) == [f"needle/{s}/2048/{i}" for s in ("context", "search") for i in (0, 1)]
     for r in rows:
         assert r["runner"] == "model" and r["error"] == "", r["error"]
         assert r["transcript"].startswith("[assistant] ") and len(r["transcript"]) > len("[assistant] ")

@@ -32,6 +32,7 @@ def test_bad_quickstart_config_names_the_keys(tmp_path, capsys):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two short Ray jobs: ~100 s alone, 917 s on a 2-core box running three other jobs
 def test_quickstart_runs_end_to_end_and_reports_before_and_after(tmp_path, capsys):
     overrides = [f"run.output_dir={tmp_path}", "run.name=qs", "sft.max_steps=3", "sft.num_tasks=8",
                  "env.num_tasks=8", "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.num_tasks=6",

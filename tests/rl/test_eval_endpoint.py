@@ -105,8 +105,8 @@ def test_a_served_model_is_evaluated_through_the_endpoint(endpoint_run, served):
         assert r["runner"] == "model" and r["error"] == "", r["error"]
         assert r["transcript"].startswith("[assistant] ") and len(r["transcript"]) > len("[assistant] ")
         assert r["tokens_read"] > 0
-        if r["serve"] == "context":  # the server's count: the haystack plus the system message and the template
-            assert r["tokens_read"] > r["prompt_tokens"]
+        if r["serve"] == "context":  # the server counts the whole prompt as the grid does (template, system, haystack)
+            assert r["tokens_read"] >= r["prompt_tokens"] > 0.8 * r["length"]
     config = json.loads((endpoint_run / "results.json").read_text())["config"]
     assert (config["backend"], config["model"], config["endpoint"]) == ("endpoint", SERVED_NAME, served)
 

@@ -23,17 +23,6 @@ GRID = ["eval.families=[needle,multihop]", "eval.serve=[context,search]", "eval.
         "rollout.max_context_tokens=4096"]
 
 
-@pytest.fixture(scope="module")
-def k3_dir(tmp_path_factory):
-    from rl.config import JobConfig, load_config
-    from rl.sft import init_model
-
-    cfg = load_config(REPO / "configs/model/tiny.yaml", ["model.num_hidden_layers=4",
-                                                         "model.linear_attn_config.kda_layers=[1,2,3]",
-                                                         "model.linear_attn_config.full_attn_layers=[4]"], JobConfig)
-    return init_model(cfg.model, tmp_path_factory.mktemp("eval-k3") / "model", seed=0)
-
-
 def run(out: Path, model: Path, *extra: str) -> int:
     return main([str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={out}", "run.name=e",
                  f"eval.model_path={model}", *GRID, *extra])

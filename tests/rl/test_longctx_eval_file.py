@@ -50,17 +50,6 @@ TASKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def k3_dir(tmp_path_factory):
-    from rl.config import JobConfig, load_config
-    from rl.sft import init_model
-
-    cfg = load_config(REPO / "configs/model/tiny.yaml", ["model.num_hidden_layers=2",
-                                                         "model.linear_attn_config.kda_layers=[1]",
-                                                         "model.linear_attn_config.full_attn_layers=[2]"], JobConfig)
-    return init_model(cfg.model, tmp_path_factory.mktemp("eval-file-k3") / "model", seed=0)
-
-
 def write_tasks(folder: Path, tasks=TASKS) -> Path:
     (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in CORPUS_DOCS))
     (folder / "corpus.yaml").write_text(json.dumps({"name": "file-test", "files": [str(folder / "docs.jsonl")],

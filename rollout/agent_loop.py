@@ -8,6 +8,13 @@ exceptions), runs the tool and enforces the environment's budgets; the observati
 once into tokens (loss mask 0) and appended. An episode also ends when its context would exceed
 `max_context_tokens` (`truncated:context`).
 
+Partial rollouts: `run(..., max_rounds=k)` stops after k rounds and hands back each unfinished
+episode as a `PausedEpisode` (request, the environment's `Episode` with its env object, the tokens
+so far); `run(..., resume=[…])` continues them at that turn boundary. Nothing about a paused
+episode leaves the process. Its next turns are sampled by whatever weights the engine holds then
+and carry that version; the engine prefills the whole context again under those weights (the
+`reprefill` resume of rl/config.py `rollout.partial_resume`).
+
 The environment sees only text; the engine sees only tokens; the loop is the one place where
 they meet.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from envs.base import Budget, Env, Episode
 from envs.tools import STOP_SEQUENCES
@@ -33,6 +40,23 @@ class EpisodeRequest:
     task_id: str
     group_id: str
     sample_idx: int = 0
+
+
+@dataclass
+class PausedEpisode:
+    """An episode between two turns: what `run(..., resume=…)` needs to continue it.
+
+    Held in the memory of the process that runs the loop (a rollout worker); never pickled."""
+
+    request: EpisodeRequest
+    episode: Episode
+    """The environment's side: messages, budgets, counters, and the env object with its state."""
+    builder: TrajectoryBuilder
+    """Tokens so far, each sampled token with the policy version that sampled it."""
+    pauses: int = 0
+    """Times the episode was paused so far."""
+    finish: str | None = field(default=None, repr=False)
+    """Set by `run` once the episode has ended."""
 
 
 @dataclass
@@ -58,7 +82,8 @@ class AgentLoop:
         self.max_context_tokens = max_context_tokens
         self.env_name = env_name
         self.stats = LoopStats()
-        self._envs: list[Env] = []
+        self._free_envs: list[Env] = []
+        """Environments of ended episodes, reused (building one may load an index); a paused episode keeps its own."""
 
     def _count_tokens(self, text: str) -> int:
         return len(self.renderer.encode_text(text, tool_result=True))
@@ -70,81 +95,113 @@ class AgentLoop:
         ids = token_ids[:-1] if ended_with_eos else token_ids
         return self.tokenizer.decode(ids, skip_special_tokens=False), ended_with_eos
 
-    def run(self, requests: list[EpisodeRequest]) -> list[Trajectory]:
-        # Environments are reused across calls (one per concurrent episode): building one may load an index.
-        while len(self._envs) < len(requests):
-            self._envs.append(self.env_factory())
-        episodes = [Episode(env, r.task, self.budget, self._count_tokens) for env, r in zip(self._envs, requests)]
-        builders = [TrajectoryBuilder(self.renderer.prompt_tokens(ep.messages)) for ep in episodes]
-        finish: dict[int, str] = {}
-        for i, b in enumerate(builders):
-            if b.length >= self.max_context_tokens:
-                finish[i] = "truncated:context"
-        while len(finish) < len(episodes):
-            active = [i for i in range(len(episodes)) if i not in finish]
-            # Episodes near the context limit get fewer new tokens: one generate call per distinct room.
-            by_room: dict[int, list[int]] = {}
-            for i in active:
-                room = min(self.params.max_tokens, self.max_context_tokens - builders[i].length)
-                by_room.setdefault(room, []).append(i)
-            context_bound = {i for room, idx in by_room.items() if room < self.params.max_tokens for i in idx}
-            outs = {}
-            t0 = time.perf_counter()
-            for room, idx in by_room.items():
-                # Episodes whose contexts are identical (a task's group, in its first turn) are asked as
-                # one prompt with n samples, so the engine prefills that prompt once.
-                same: dict[tuple[int, ...], list[int]] = {}
-                for i in idx:
-                    same.setdefault(tuple(builders[i].tokens()), []).append(i)
-                by_n: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
-                for prompt, members in same.items():
-                    by_n.setdefault(len(members), []).append((prompt, members))
-                for n, prompts in by_n.items():
-                    params = SamplingParams(n=n, temperature=self.params.temperature, top_p=self.params.top_p,
-                                            max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
-                                            stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
-                    results = self.engine.generate([list(p) for p, _ in prompts], params)
-                    for (_, members), samples in zip(prompts, results):
-                        outs.update((i, [c]) for i, c in zip(members, samples))
-            self.stats.generate_seconds += time.perf_counter() - t0
-            self.stats.rounds += 1
-            self.stats.per_round_batch.append(len(active))
-            t0 = time.perf_counter()
-            for i in active:
-                (completion,) = outs[i]
-                builder, episode = builders[i], episodes[i]
-                builder.append_sampled(completion.token_ids, completion.logprobs, self.engine.version,
-                                       completion.routed_experts)
-                self.stats.generated_tokens += len(completion.token_ids)
-                if completion.finish_reason == "length" and i in context_bound:
-                    # The turn was cut by the context window, not by the turn budget: nothing more fits.
-                    finish[i] = "truncated:context"
-                    continue
-                text, ended_with_eos = self._turn_text(completion.token_ids)
-                step = episode.step(text)
-                if step.done:
-                    # Nothing after the last sampled token can be trained on: the terminal tool's result
-                    # (often the reward itself) stays out of the trajectory.
-                    finish[i] = "truncated:" + episode.finish_reason if episode.truncated else "done"
-                    continue
-                obs = self.renderer.observation_tokens(step.observation, ended_with_eos)
-                if builder.length + len(obs) + 1 > self.max_context_tokens:
-                    finish[i] = "truncated:context"
-                else:
-                    builder.append_context(obs)
-            self.stats.env_seconds += time.perf_counter() - t0
-        return [self._trajectory(r, ep, b, finish[i]) for i, (r, ep, b) in enumerate(zip(requests, episodes, builders))]
+    def run(self, requests: list[EpisodeRequest], max_rounds: int | None = None,
+            resume: Sequence[PausedEpisode] = ()) -> list:
+        """Run `requests`, and continue the `resume`d episodes, until they end — or for at most `max_rounds`
+        rounds (one turn per episode each) in this call. Returns one item per episode, resumed ones first:
+        its `Trajectory` when it ended, else a `PausedEpisode` to pass back as `resume` later (only with
+        `max_rounds`: without it every item is a trajectory)."""
+        if max_rounds is not None and max_rounds < 1:
+            raise ValueError(f"max_rounds: must be ≥ 1 or None, got {max_rounds}")
+        for p in resume:
+            if p.finish is not None or p.episode.done:
+                raise ValueError(f"episode {p.request.group_id!r} #{p.request.sample_idx} has ended; only paused "
+                                 f"episodes resume")
+        states = list(resume) + [self._start(r) for r in requests]
+        rounds = 0
+        while max_rounds is None or rounds < max_rounds:
+            active = [p for p in states if p.finish is None]
+            if not active:
+                break
+            self._round(active)
+            rounds += 1
+        out: list = []
+        for p in states:
+            if p.finish is None:
+                p.pauses += 1
+                out.append(p)
+            else:
+                out.append(self._trajectory(p))
+                self._free_envs.append(p.episode.env)
+        return out
 
-    def _trajectory(self, request: EpisodeRequest, episode: Episode, builder: TrajectoryBuilder,
-                    finish_reason: str) -> Trajectory:
+    def _start(self, request: EpisodeRequest) -> PausedEpisode:
+        env = self._free_envs.pop() if self._free_envs else self.env_factory()
+        episode = Episode(env, request.task, self.budget, self._count_tokens)
+        p = PausedEpisode(request, episode, TrajectoryBuilder(self.renderer.prompt_tokens(episode.messages)))
+        if p.builder.length >= self.max_context_tokens:
+            p.finish = "truncated:context"
+        return p
+
+    def _round(self, active: list[PausedEpisode]) -> None:
+        """One turn of every active episode: batched generate calls, then each environment's step."""
+        # Episodes near the context limit get fewer new tokens: one generate call per distinct room.
+        by_room: dict[int, list[int]] = {}
+        for i, p in enumerate(active):
+            room = min(self.params.max_tokens, self.max_context_tokens - p.builder.length)
+            by_room.setdefault(room, []).append(i)
+        context_bound = {i for room, idx in by_room.items() if room < self.params.max_tokens for i in idx}
+        outs = {}
+        t0 = time.perf_counter()
+        for room, idx in by_room.items():
+            # Episodes whose contexts are identical (a task's group, in its first turn) are asked as
+            # one prompt with n samples, so the engine prefills that prompt once.
+            same: dict[tuple[int, ...], list[int]] = {}
+            for i in idx:
+                same.setdefault(tuple(active[i].builder.tokens()), []).append(i)
+            by_n: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
+            for prompt, members in same.items():
+                by_n.setdefault(len(members), []).append((prompt, members))
+            for n, prompts in by_n.items():
+                params = SamplingParams(n=n, temperature=self.params.temperature, top_p=self.params.top_p,
+                                        max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
+                                        stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
+                results = self.engine.generate([list(p) for p, _ in prompts], params)
+                for (_, members), samples in zip(prompts, results):
+                    outs.update((i, [c]) for i, c in zip(members, samples))
+        self.stats.generate_seconds += time.perf_counter() - t0
+        self.stats.rounds += 1
+        self.stats.per_round_batch.append(len(active))
+        t0 = time.perf_counter()
+        for i, p in enumerate(active):
+            (completion,) = outs[i]
+            builder, episode = p.builder, p.episode
+            builder.append_sampled(completion.token_ids, completion.logprobs, self.engine.version,
+                                   completion.routed_experts)
+            self.stats.generated_tokens += len(completion.token_ids)
+            if completion.finish_reason == "length" and i in context_bound:
+                # The turn was cut by the context window, not by the turn budget: nothing more fits.
+                p.finish = "truncated:context"
+                continue
+            text, ended_with_eos = self._turn_text(completion.token_ids)
+            step = episode.step(text)
+            if step.done:
+                # Nothing after the last sampled token can be trained on: the terminal tool's result
+                # (often the reward itself) stays out of the trajectory.
+                p.finish = "truncated:" + episode.finish_reason if episode.truncated else "done"
+                continue
+            obs = self.renderer.observation_tokens(step.observation, ended_with_eos)
+            if builder.length + len(obs) + 1 > self.max_context_tokens:
+                p.finish = "truncated:context"
+            else:
+                builder.append_context(obs)
+        self.stats.env_seconds += time.perf_counter() - t0
+
+    def _trajectory(self, p: PausedEpisode) -> Trajectory:
+        request, episode, builder, finish_reason = p.request, p.episode, p.builder, p.finish
         if not episode.done:
             episode.truncate(finish_reason.removeprefix("truncated:"))
         info = episode.info
         numeric = {k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return builder.finish(
+        traj = builder.finish(
             reward=float(episode.reward), rewards={k: v for k, v in numeric.items() if k not in _COUNTERS},
             metrics={k: v for k, v in numeric.items() if k in _COUNTERS} | {"sampled_tokens": float(builder.num_sampled)},
             info={k: v for k, v in info.items() if k not in numeric}, env=self.env_name,
             task_id=request.task_id, group_id=request.group_id, finish_reason=finish_reason)
+        # Partial rollouts: how many sampled tokens an older policy than the episode's last one sampled.
+        sampled = traj.versions[traj.loss_mask.astype(bool)]
+        traj.metrics["stale_sampled_tokens"] = float((sampled < sampled.max()).sum()) if len(sampled) else 0.0
+        traj.metrics["pauses"] = float(p.pauses)
+        return traj
 
 _COUNTERS = {"turns", "tool_calls", "observation_tokens", "tool_seconds"}

@@ -10,7 +10,10 @@ AttnRes needs no cache: its bank and partial sums are per token.
 Batches may be left-padded in their first (prefill) step: `pad_len[b]` counts the padding
 columns of row b. Padding tokens enter KDA as zero inputs, which leaves the state exactly as
 for the unpadded sequence, and MLA masks them out as keys; positions (for RoPE) start at each
-row's first real token. `nbytes()` counts the state tensors only (conv, recurrent, latent);
+row's first real token. Without a cache (training), `position_ids` may pack several documents into
+a row (HF-style packing): a document starts wherever a position does not continue the previous one,
+and `StepInfo.documents` / `cu_seqlens` tell KDA to restart its states there and MLA to attend
+within the document only. `nbytes()` counts the state tensors only (conv, recurrent, latent);
 `layout_bytes()` gives the same number from the config, which `bench/decode_memory.py` checks.
 
 The cache grows in place (amortised doubling of the latent buffers), can be snapshotted
@@ -38,6 +41,12 @@ class StepInfo:
     pad: torch.Tensor
     """[B] left-padding columns of each row (they sit at the start of the cache)."""
     cache: "K3Cache | None"
+    documents: torch.Tensor | None = None
+    """[B, T] int64 document of each token, counted from 0 in each row (packed rows, no cache); None when
+    every row is one sequence."""
+    cu_seqlens: torch.Tensor | None = None
+    """[N + 1] int64 boundaries of the N documents of all rows laid end to end (row-major, B·T tokens), the
+    packed layout of `chunk_kda`; set with `documents`."""
 
     @property
     def num_tokens(self) -> int:
@@ -45,8 +54,9 @@ class StepInfo:
 
     @property
     def plain_causal(self) -> bool:
-        """True when MLA needs no explicit mask: no padding and either no past or a one-token step."""
-        return self.valid is None and not bool(self.pad.any()) and (self.start == 0 or self.num_tokens == 1)
+        """True when MLA needs no explicit mask: no padding, one document per row, and either no past or a
+        one-token step."""
+        return self.documents is None and self.valid is None and not bool(self.pad.any()) and (self.start == 0 or self.num_tokens == 1)
 
     def attn_mask(self, lo: int = 0, hi: int | None = None, keys: int | None = None) -> torch.Tensor | None:
         """[B, 1, hi−lo, keys] bool mask of the new tokens lo..hi−1 over the first `keys` keys (default all
@@ -62,7 +72,10 @@ class StepInfo:
         causal = k[None, :] <= absolute[:, None]  # [t, S]
         real_key = k[None, :] >= self.pad[:, None]  # [B, S]
         own = k[None, :] == absolute[:, None]  # [t, S]: a padding query attends to itself (no empty rows)
-        return (causal[None] & (real_key[:, None, :] | own[None]))[:, None]  # [B, 1, t, S]
+        mask = causal[None] & (real_key[:, None, :] | own[None])  # [B, t, S]
+        if self.documents is not None:  # packed rows have no cache: keys are the new tokens
+            mask = mask & (self.documents[:, lo:hi, None] == self.documents[:, None, :keys])
+        return mask[:, None]  # [B, 1, t, S]
 
 
 class K3Cache:
@@ -168,16 +181,22 @@ class K3Cache:
 
 
 def make_step(input_shape: tuple[int, int], device, cache: K3Cache | None,
-              attention_mask: torch.Tensor | None, max_positions: int) -> StepInfo:
+              attention_mask: torch.Tensor | None, max_positions: int,
+              position_ids: torch.Tensor | None = None) -> StepInfo:
     """Positions, padding and the MLA mask of one forward call over `input_shape` = (B, T) tokens.
 
     `attention_mask` ([B, T] for the new tokens, or [B, start+T]) may only mark left padding,
     and only in a sequence's first step; anything else raises ValueError.
+    `position_ids` [B, T] (no cache only) are the RoPE positions and mark packed documents: one starts at
+    column 0 and wherever position_ids[b, t] != position_ids[b, t−1] + 1 (transformers'
+    `find_packed_sequence_indices` rule), e.g. 0 1 2 0 1 0 1 2 3 holds three documents.
     """
     B, T = input_shape
     start = cache.seq_len if cache is not None else 0
     if cache is not None and cache.batch_size != B:
         raise ValueError(f"cache: holds {cache.batch_size} sequences but input_ids has batch size {B}")
+    if position_ids is not None:
+        return _packed_step(input_shape, device, attention_mask, max_positions, position_ids, cache)
     if start + T > max_positions:
         raise ValueError(f"input_ids: {start + T} tokens exceed max_position_embeddings={max_positions}")
     pad = cache.pad_len if cache is not None else torch.zeros(B, dtype=torch.long, device=device)
@@ -202,3 +221,29 @@ def make_step(input_shape: tuple[int, int], device, cache: K3Cache | None,
     positions = (absolute[None, :] - pad[:, None]).clamp_min(0)  # [B, T]
     valid = absolute[None, :] >= pad[:, None] if bool(pad.any()) else None  # [B, T]
     return StepInfo(start=start, positions=positions, valid=valid, pad=pad, cache=cache)
+
+
+def _packed_step(input_shape: tuple[int, int], device, attention_mask: torch.Tensor | None, max_positions: int,
+                 position_ids: torch.Tensor, cache: K3Cache | None) -> StepInfo:
+    """`make_step` with explicit positions: documents where the positions restart (see `make_step`)."""
+    B, T = input_shape
+    if cache is not None:
+        raise ValueError("position_ids: packed documents are for training (no cache); pass either position_ids "
+                         "or a cache / use_cache=True")
+    if tuple(position_ids.shape) != (B, T) or position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids: expected integers of shape [{B}, {T}], got {position_ids.dtype} "
+                         f"of shape {list(position_ids.shape)}")
+    positions = position_ids.to(device=device, dtype=torch.long)  # [B, T]
+    if bool((positions < 0).any()) or int(positions.max()) >= max_positions:
+        raise ValueError(f"position_ids: must lie in [0, max_position_embeddings={max_positions}), got "
+                         f"{int(positions.min())}..{int(positions.max())}")
+    # A packed row may be longer than max_position_embeddings: only its positions are bounded.
+    step = make_step(input_shape, device, None, attention_mask, T)
+    starts = torch.ones(B, T, dtype=torch.bool, device=device)  # [B, T]
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    step.positions = positions
+    if bool(starts[:, 1:].any()):
+        step.documents = starts.cumsum(1) - 1  # [B, T]
+        first = starts.flatten().nonzero()[:, 0]  # [N]
+        step.cu_seqlens = torch.cat([first, first.new_tensor([B * T])])  # [N + 1]
+    return step

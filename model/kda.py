@@ -12,7 +12,8 @@ The gate is full rank (`g_proj`, K3) or low rank (`g_a_proj`→`g_b_proj`, Kimi-
 gate) and `kernels/short_conv` (conv with decode state). `A_log`, `dt_bias` and the conv
 weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is always computed in fp32.
 Left-padding tokens (`StepInfo.valid`) enter as zero inputs, which leaves conv and recurrent
-state exactly as if the padding were absent.
+state exactly as if the padding were absent. Packed documents (`StepInfo.cu_seqlens`, training only) run
+as one packed sequence of B·T tokens: conv and recurrent state start from zero at every document.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ class ShortConv(nn.Module):
         bound = 1.0 / math.sqrt(self.weight.shape[-1])
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, C], state [B, C, W-1] or None → (SiLU(conv) [B, T, C], new state)."""
-        return causal_conv1d(x, self.weight.squeeze(1), state, activation="silu")
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, C], state [B, C, W-1] or None → (SiLU(conv) [B, T, C], new state); `cu_seqlens`: x is
+        [1, T, C] packed sequences, each from a zero state."""
+        return causal_conv1d(x, self.weight.squeeze(1), state, activation="silu", cu_seqlens=cu_seqlens)
 
 
 class GatedRMSNorm(nn.Module):
@@ -121,21 +124,25 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         if step.valid is not None:
             x = torch.where(step.valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-        cache = step.cache
+        cache, cu = step.cache, step.cu_seqlens
+        # Packed documents: the rows laid end to end as one sequence [1, B·T, ·] cut at cu_seqlens.
+        rows = (1, B * T) if cu is not None else (B, T)
         conv_state = cache.conv[self.layer_idx] if cache is not None else None  # [B, 3P, W-1]
         qkv_states = (None,) * 3 if conv_state is None else conv_state.chunk(3, dim=1)
-        q, q_state = self.q_conv1d(self.q_proj(x), qkv_states[0])  # [B, T, P]
-        k, k_state = self.k_conv1d(self.k_proj(x), qkv_states[1])
-        v, v_state = self.v_conv1d(self.v_proj(x), qkv_states[2])
+        q, q_state = self.q_conv1d(self.q_proj(x).view(*rows, -1), qkv_states[0], cu)  # [B, T, P]
+        k, k_state = self.k_conv1d(self.k_proj(x).view(*rows, -1), qkv_states[1], cu)
+        v, v_state = self.v_conv1d(self.v_proj(x).view(*rows, -1), qkv_states[2], cu)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.lower_bound)  # [B, T, H, K] fp32
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         initial = cache.recurrent[self.layer_idx] if cache is not None else None  # [B, H, K, V]
 
         # Recurrent for a one-token decode step, chunked for training and prefill.
-        kda = fused_recurrent_kda if T == 1 else chunk_kda
-        o, final = kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), g, beta,
-                       scale=K ** -0.5, initial_state=initial, output_final_state=cache is not None,
-                       use_qk_l2norm_in_kernel=True)  # o [B, T, H, V]
+        kda = fused_recurrent_kda if T == 1 and cu is None else chunk_kda
+        varlen = {} if cu is None else {"cu_seqlens": cu}
+        o, final = kda(q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, H, K), g.view(*rows, H, K),
+                       beta.view(*rows, H), scale=K ** -0.5, initial_state=initial,
+                       output_final_state=cache is not None, use_qk_l2norm_in_kernel=True, **varlen)  # o [B, T, H, V]
+        o = o.reshape(B, T, H, K)
         if cache is not None:
             cache.conv[self.layer_idx] = torch.cat([q_state, k_state, v_state], dim=1).to(cache.dtype)
             cache.recurrent[self.layer_idx] = final.to(cache.state_dtype)

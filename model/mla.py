@@ -8,6 +8,8 @@
 NoPE (released K3, `mla_use_nope`) leaves q_pe and k_pe unrotated; otherwise both get RoPE with
 base `config.rope_theta` (read at every call, so a staged context recipe can raise it),
 interleaved pairs (x[2m], x[2m+1]) as in DeepSeek MLA, at each token's position in its sequence.
+Packed documents (training, `StepInfo.documents`) take the expanded form under a block-diagonal causal
+mask ([B, 1, T, T] bool, built only then), their positions restarting with each document.
 
 The decode cache holds only the latent `[kv_c ; k_pe]` (k_pe after rotation). Attention takes one
 of three equivalent forms, picked in `forward`:

@@ -13,6 +13,9 @@ chunked/expanded or recurrent/absorbed paths from the number of new tokens.
 `routed_expert_ids` replays a recorded routing ([B, T, n_moe_layers, k], -1 where nothing was recorded)
 and `routing_mask` keeps padding out of the router statistics; every forward leaves the routing it used
 in `last_routed_expert_ids()`.
+`position_ids` packs several documents into each row for training, the way transformers' packing
+(`DataCollatorWithFlattening`) does it: positions restart at 0 with each document, and each document is
+computed exactly as if it were alone (KDA/conv states reset, MLA attends within it, RoPE from its own 0).
 
 Checkpoint names are those of the text-only Kimi-Linear/K3 layout (`model.embed_tokens`,
 `model.layers.{i}.self_attn.*`, `….block_sparse_moe.*` or `….mlp.*`, `model.norm`,
@@ -211,6 +214,7 @@ class K3ForCausalLM(K3PreTrainedModel):
         routed_expert_ids: torch.Tensor | None = None,
         routing_mask: torch.Tensor | None = None,
         return_hidden_states: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> K3CausalLMOutput:
         """Training, prefill or decode step.
 
@@ -228,6 +232,12 @@ class K3ForCausalLM(K3PreTrainedModel):
             routing_mask: [B, T] bool, the tokens whose routing counts in the router-balancing statistics
                 (False on padding, which is never replayed either); None: every token counts.
             return_hidden_states: also return the pre-norm h_final [B, T, d].
+            position_ids: [B, T] int, packed documents (training only: no cache, no use_cache). A document
+                starts at column 0 and wherever position_ids[b, t] != position_ids[b, t-1] + 1 (transformers'
+                `find_packed_sequence_indices` rule); positions are the RoPE positions, so give each
+                document 0, 1, 2, …. Right padding may continue the last document's count or start its own
+                (give it consecutive positions: each restart costs KDA a 64-token chunk). With `labels`, the
+                first token of a document is never the target of the previous one.
         """
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids: expected [B, T] with T ≥ 1, got shape {list(input_ids.shape)}")
@@ -236,7 +246,7 @@ class K3ForCausalLM(K3PreTrainedModel):
         if cache is None and use_cache:
             cache = self.new_cache(input_ids.shape[0], capacity=input_ids.shape[1])
         step = make_step(tuple(input_ids.shape), input_ids.device, cache, attention_mask,
-                         self.config.max_position_embeddings)
+                         self.config.max_position_embeddings, position_ids)
         h = self.model(input_ids, step, pixel_values, routed_expert_ids, routing_mask)  # [B, T, d]
         if cache is not None:
             cache.commit(input_ids.shape[1])
@@ -244,6 +254,11 @@ class K3ForCausalLM(K3PreTrainedModel):
         logits = self.lm_head(self.model.norm(kept)) * self.config.logit_scale
         loss = None
         if labels is not None:
+            if step.documents is not None:
+                # No target across a document boundary: a document's first token is nobody's next token.
+                starts = torch.zeros_like(step.documents, dtype=torch.bool)  # [B, T]
+                starts[:, 1:] = step.documents[:, 1:] != step.documents[:, :-1]
+                labels = labels.masked_fill(starts.to(labels.device), -100)
             shifted = logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
             loss = F.cross_entropy(shifted, labels[:, 1:].flatten().to(logits.device), ignore_index=-100)
         return K3CausalLMOutput(loss=loss, logits=logits, cache=cache,

@@ -5,11 +5,12 @@ toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supe
 - `load_policy(path, dtype, device)`: an HF directory (config.json required); K3 is registered with the
   Auto classes only when transformers does not know the directory's model type, dropout is switched off.
 - `is_k3`: answered once, by type.
-- `final_hidden(input_ids, attention_mask, routed_expert_ids, rows)`: the hidden states the LM head reads.
-  K3 returns its pre-norm state (`return_hidden_states=True`) and the final norm is applied here — to the
-  selected `rows` only when they are given, so the norm never runs on prompt rows; other models are
-  called with `output_hidden_states=True`, whose last entry is already normed. Either way the model
-  computes logits for one position only (`logits_to_keep=1`, where supported).
+- `final_hidden(input_ids, attention_mask, routed_expert_ids, rows, position_ids)`: the hidden states the LM
+  head reads. K3 returns its pre-norm state (`return_hidden_states=True`) and the final norm is applied
+  here — to the selected `rows` only when they are given, so the norm never runs on prompt rows; other
+  models are called with `output_hidden_states=True`, whose last entry is already normed. Either way the
+  model computes logits for one position only (`logits_to_keep=1`, where supported). `position_ids` packs
+  documents into rows, transformers-style (positions restart at 0 per document), for both families.
 - `head()` / `selected_logprobs(hidden, targets, chunk_size, entropy)`: the LM head weight and logit
   scale, and log π(target) through the chunked path of model/logprobs.py (no [N, V] logits).
 - `prefill` / `decode` / `select`: batched generation with the model's own cache (K3: `K3Cache`, with the
@@ -90,19 +91,27 @@ class Policy:
 
     def final_hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                      routed_expert_ids: Optional[torch.Tensor] = None,
-                     rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     rows: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, d], or [N, d] for the positions of the bool mask
         `rows` [B, T]. `attention_mask` [B, T] (0 on padding) is passed to non-K3 models; K3 needs none for
         right padding and takes it as its routing mask, so padding stays out of the router statistics;
-        `routed_expert_ids` [B, T, L, k] replays a routing on K3 (-1: route)."""
+        `routed_expert_ids` [B, T, L, k] replays a routing on K3 (-1: route).
+
+        `position_ids` [B, T]: several documents per row, each computed as if alone; a document starts
+        wherever the positions do not continue by +1 (0 1 2 0 1 …), right padding continues the count or
+        starts its own. K3 takes them as `K3ForCausalLM.forward(position_ids=…)`; other models get them with
+        attention_mask=None, from which transformers derives the same block-diagonal causal mask
+        (`find_packed_sequence_indices`; their attention implementation must honour it)."""
         if self.is_k3:
             mask = None if attention_mask is None else attention_mask.bool()
             out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask,
-                             return_hidden_states=True, **self._keep)
+                             return_hidden_states=True, position_ids=position_ids, **self._keep)
             h = out.hidden_states if rows is None else out.hidden_states[rows]
             return self.model.model.norm(h)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                         use_cache=False, **self._keep)
+        packed = {} if position_ids is None else {"position_ids": position_ids}
+        out = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
+                         output_hidden_states=True, use_cache=False, **packed, **self._keep)
         h = out.hidden_states[-1]
         return h if rows is None else h[rows]
 

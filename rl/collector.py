@@ -13,8 +13,15 @@ actors, their weights and the calls in flight.
   `prefetch_while_training` tops up to `tasks_per_step × max_staleness` while it trains.
 - `evaluate(tasks, step)` spreads held-out tasks over the workers (one episode each, `eval_sampling`);
   a chunk lost with a worker is run again.
+- Partial rollouts (the pool's `partial_rounds`): a group whose episodes a worker keeps between calls
+  is in flight, not lost and not handed out again. Every idle worker that holds such groups is called
+  again (with new tasks only up to `chunk_tasks` groups on it), so paused episodes keep going; the
+  tasks of held groups whose actor died are queued again like a lost collection's.
 - `state_dict` (cursor, requeue, the pool's counters, every buffered trajectory) is the part of a
-  checkpoint that makes a resumed run hand out the same tasks and lose no trajectory.
+  checkpoint that makes a resumed run hand out the same tasks and lose no trajectory. Held groups
+  live only in their workers' memory: the checkpoint lists their tasks first in `requeue`, so a
+  resumed run collects them again from the start (the uninterrupted run finishes them instead:
+  either way each task's group is trained once).
 """
 
 from __future__ import annotations
@@ -76,19 +83,25 @@ class Collector:
         self.pool.dispatch(slot, "train", tasks, self.group_size, named=named)
 
     def fill(self, target_groups: int, version: int) -> None:
-        """Hand training tasks to idle workers while waiting + in-flight groups stay below `target_groups`."""
+        """Hand training tasks to idle workers while waiting + in-flight groups stay below `target_groups`;
+        an idle worker holding paused groups is called again either way."""
+        self._requeue_lost()
         missing = target_groups - self.buffer.available(version, self.max_staleness) - self.pool.in_flight("train")
         for slot in self.pool.idle():
-            if missing <= 0:
-                break
-            k = min(self.chunk_tasks, missing)
-            self._dispatch_train(slot, self.next_tasks(k))
-            missing -= k
+            held = len(slot.held)
+            k = max(0, min(self.chunk_tasks - held, missing))
+            if k or held:
+                self._dispatch_train(slot, self.next_tasks(k))
+                missing -= k
+
+    def _requeue_lost(self) -> None:
+        self.requeue.extendleft(reversed(self.pool.take_lost()))
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Wait for at least one collection (or `timeout`) and route every finished one: training groups to
         the buffer, held-out episodes to the evaluation; a collection lost with its actor is queued again."""
         finished = self.pool.wait(timeout)
+        self._requeue_lost()
         for f in finished:
             chunk, trajectories = f.chunk, f.trajectories
             if trajectories is None:
@@ -144,7 +157,8 @@ class Collector:
     # ---- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor, **self.pool.state_dict(), "requeue": list(self.requeue),
+        in_flight = self.pool.held_tasks() + self.pool.lost
+        return {"cursor": self.cursor, **self.pool.state_dict(), "requeue": in_flight + list(self.requeue),
                 "unconsumed": self.buffer.trajectories(), "dropped_groups": self.buffer.dropped_groups,
                 "dropped_trajectories": self.buffer.dropped_trajectories}
 

@@ -9,7 +9,12 @@ The collector (rl/collector.py) decides *what* to collect and where it goes; the
 - dead actors: a slot whose actor died is given a new actor holding the current weights (at most
   `max_restarts` times per run); the collection it was running is handed back as lost, so the collector
   queues its tasks again;
-- `dispatch` / `wait`: one `collect` call per idle slot, and the finished ones taken in together.
+- `dispatch` / `wait`: one `collect` call per idle slot, and the finished ones taken in together;
+- partial rollouts (`partial_rounds` > 0): a training call is `collect_partial` — its worker keeps the
+  groups not yet ended (a slot's `held` groups, still in flight: counted by `in_flight`, never lost and
+  never dispatched twice) and continues them in its next call. Each held group remembers the version of
+  every call that sampled it; its tokens must all carry one of those versions. When the actor dies, its
+  held groups' tasks go to `lost` for the collector to queue again.
 
 Its counters (`spawned`, `restarts`, `chunk_counter`) are part of a checkpoint, so a resumed run
 seeds and names its collections as the uninterrupted run would.
@@ -23,7 +28,7 @@ from typing import Any, Callable, Optional
 import ray
 from ray.exceptions import RayActorError
 
-from rollout.worker import RolloutWorker, WorkerSpec
+from rollout.worker import PartialCollection, RolloutWorker, WorkerSpec
 
 
 class WeightSyncError(RuntimeError):
@@ -40,6 +45,17 @@ class Chunk:
     version: int
     """Weights version the worker holds when it runs this call (the last one pushed before it)."""
     ref: Any
+    groups: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    """A partial call's new groups: group id → the task it collects (empty for a whole-episode call)."""
+
+
+@dataclass
+class Held:
+    """A training group whose episodes its worker keeps between partial calls."""
+
+    task: tuple[str, Any]
+    versions: list[int]
+    """Weights version of every call that sampled it so far."""
 
 
 @dataclass
@@ -51,6 +67,8 @@ class Slot:
     pushes: list = field(default_factory=list)
     """(ObjectRef, version) of weight pushes not yet confirmed."""
     chunk: Optional[Chunk] = None
+    held: dict[str, Held] = field(default_factory=dict)
+    """Partial rollouts: group id → what the actor keeps of a group that has not ended."""
 
 
 @dataclass
@@ -66,8 +84,14 @@ class RolloutPool:
 
     def __init__(self, spec: WorkerSpec, num_workers: int, num_cpus: float, num_gpus: float = 0.0,
                  max_restarts: int = 10, runtime_env: Optional[dict] = None,
-                 log: Callable[[str], None] = lambda line: None):
+                 log: Callable[[str], None] = lambda line: None, partial_rounds: int = 0):
+        if partial_rounds < 0:
+            raise ValueError(f"partial_rounds: must be ≥ 0, got {partial_rounds}")
         self.spec, self.num_workers = spec, num_workers
+        self.partial_rounds = partial_rounds
+        """Turns per episode in one training call before it pauses; 0: whole episodes."""
+        self.lost: list[tuple[str, Any]] = []
+        """Tasks of held groups whose actor died, waiting for the collector to take them (`take_lost`)."""
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.max_restarts, self.runtime_env, self.log = max_restarts, runtime_env, log
         self.spawned = 0
@@ -133,7 +157,8 @@ class RolloutPool:
                                f"{self.max_restarts}); last error: {error}") from error
         self.log(f"[yellow]rollout worker died ({type(error).__name__}); starting a replacement")
         ray.kill(slot.actor, no_restart=True)
-        slot.actor, slot.pushes, slot.version, slot.chunk = self._spawn(), [], 0, None
+        self.lost += [h.task for h in slot.held.values()]
+        slot.actor, slot.pushes, slot.version, slot.chunk, slot.held = self._spawn(), [], 0, None, {}
         version, ref = self._weights
         if ref is not None:
             slot.pushes.append((slot.actor.load_weights.remote(ref, version), version))
@@ -152,8 +177,18 @@ class RolloutPool:
         return any(s.chunk is not None for s in self.slots)
 
     def in_flight(self, kind: str) -> int:
-        """Tasks of `kind` being collected."""
-        return sum(len(s.chunk.tasks) for s in self.slots if s.chunk is not None and s.chunk.kind == kind)
+        """Tasks of `kind` being collected (for `train`, also the groups held between partial calls)."""
+        running = sum(len(s.chunk.tasks) for s in self.slots if s.chunk is not None and s.chunk.kind == kind)
+        return running + (sum(len(s.held) for s in self.slots) if kind == "train" else 0)
+
+    def held_tasks(self) -> list[tuple[str, Any]]:
+        """Tasks of every group held between partial calls, slot by slot in dispatch order."""
+        return [h.task for s in self.slots for h in s.held.values()]
+
+    def take_lost(self) -> list[tuple[str, Any]]:
+        """The tasks of held groups lost with their actors since the last call."""
+        lost, self.lost = self.lost, []
+        return lost
 
     def dispatch(self, slot: Slot, kind: str, tasks: list[tuple[str, Any]], group_size: int,
                  prefix: Optional[str] = None, sampling: Any = None,
@@ -163,7 +198,13 @@ class RolloutPool:
         worker's). The chunk remembers `tasks`, which are what a lost collection hands back."""
         self.chunk_counter += 1
         prefix = f"c{self.chunk_counter}/" if prefix is None else prefix
-        args = [named if named is not None else tasks, group_size, prefix] + ([sampling] if sampling is not None else [])
+        named = named if named is not None else tasks
+        if kind == "train" and self.partial_rounds:
+            ref = slot.actor.collect_partial.remote(named, group_size, prefix, self.partial_rounds)
+            groups = {f"{prefix}{task_id}": task for (task_id, _), task in zip(named, tasks)}
+            slot.chunk = Chunk(kind, tasks, slot.version, ref, groups)
+            return
+        args = [named, group_size, prefix] + ([sampling] if sampling is not None else [])
         slot.chunk = Chunk(kind, tasks, slot.version, slot.actor.collect.remote(*args))
 
     def wait(self, timeout: Optional[float] = None) -> list[Finished]:
@@ -182,22 +223,47 @@ class RolloutPool:
     def _finish(self, slot: Slot) -> Finished:
         chunk, slot.chunk = slot.chunk, None
         try:
-            trajectories = ray.get(chunk.ref)
+            result = ray.get(chunk.ref)
         except RayActorError as e:
             self._replace(slot, e)
             return Finished(chunk, None)
+        partial = isinstance(result, PartialCollection)
+        trajectories = self._take_partial(slot, chunk, result) if partial else result
         try:
             self._confirm(slot)
         except RayActorError as e:
             # the collection came back; the actor died afterwards, on a weight push queued behind it
+            # (the groups it still held are lost with it: `_replace` hands their tasks to `lost`)
             self._replace(slot, e)
-        for t in trajectories:
+        for t in [] if partial else trajectories:
             sampled = t.versions[t.loss_mask.astype(bool)]
             if len(sampled) and not (sampled == chunk.version).all():
                 versions = sorted(set(sampled.tolist()))
                 raise WeightSyncError(f"trajectory {t.group_id!r} holds tokens of versions {versions}, but version "
                                       f"{chunk.version} was the last pushed to its worker")
         return Finished(chunk, trajectories)
+
+    def _take_partial(self, slot: Slot, chunk: Chunk, result: Any) -> list:
+        """Book a `collect_partial` result: the call sampled every group held before it and its new ones; the
+        ended groups come back (their tokens checked against the versions of the calls that sampled them),
+        the others stay held."""
+        for held in slot.held.values():
+            held.versions.append(chunk.version)
+        slot.held.update((g, Held(task, [chunk.version])) for g, task in chunk.groups.items())
+        ended = {t.group_id for t in result.trajectories}
+        known = set(slot.held)
+        if ended | set(result.paused) != known or ended & set(result.paused):
+            raise RuntimeError(f"a rollout worker's groups disagree with the driver's: it ended {sorted(ended)[:3]}, "
+                               f"holds {sorted(result.paused)[:3]}; the driver sent {sorted(known)[:3]}")
+        for t in result.trajectories:
+            versions = slot.held[t.group_id].versions
+            sampled = set(t.versions[t.loss_mask.astype(bool)].tolist())
+            if not sampled <= set(versions):
+                raise WeightSyncError(f"trajectory {t.group_id!r} holds tokens of versions {sorted(sampled)}, but "
+                                      f"the calls that sampled it ran with versions {versions}")
+        for g in ended:
+            del slot.held[g]
+        return result.trajectories
 
     def close(self) -> None:
         for slot in self.slots:

@@ -4,6 +4,12 @@ The trainer starts several side by side (`start_workers`), sends each a share of
 (`collect`), and pushes new weights to all of them after every learner step (`load_weights`,
 with the policy version). A worker is plain Python: the same class runs in-process in tests
 and as an actor on a cluster. The engine kind comes from the config (`torch` or `vllm`).
+
+Partial rollouts (`collect_partial`, `rollout.partial_rounds`): each call runs its new tasks and
+every episode paused by earlier calls for a few rounds, returns the groups whose every episode
+has ended, and keeps the rest in memory — paused episodes and the ended trajectories of their
+groups — for its next call, which samples with the weights loaded in between. If the actor dies,
+what it held dies with it; the driver collects those tasks again.
 """
 
 from __future__ import annotations
@@ -34,6 +40,23 @@ class WorkerSpec:
     seed: int = 0
     device: str = "cpu"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    partial_resume: str = "reprefill"
+    """How a paused episode continues under new weights (rl/config.py `rollout.partial_resume`)."""
+
+
+@dataclass
+class PartialCollection:
+    """What one `collect_partial` call hands back."""
+
+    trajectories: list
+    """Every trajectory of the groups that ended in this call (whole groups, samples in order)."""
+    paused: list[str]
+    """Group ids still held by the worker (at least one episode paused), for its next call."""
+
+
+KEEP_STATE_MISSING = ("rollout.partial_resume=keep_state is not implemented yet: it needs the engine's per-episode "
+                      "sessions (KV/recurrent state kept between generate calls) carried across a weight change, and a "
+                      "report of the context tokens whose state the old weights computed; use reprefill")
 
 
 # What each engine sets itself from the job (the model directory, context length, seed, device).
@@ -89,6 +112,9 @@ class RolloutWorker:
         import envs
         from rollout.agent_loop import AgentLoop
 
+        if spec.partial_resume != "reprefill":
+            raise ValueError(KEEP_STATE_MISSING if spec.partial_resume == "keep_state" else
+                             f"rollout.partial_resume: {spec.partial_resume!r}; choose reprefill or keep_state")
         self.spec = spec
         self.engine = build_engine(spec)
         tokenizer = self.engine.tokenizer  # environments that count tokens count the policy's
@@ -97,6 +123,8 @@ class RolloutWorker:
                               env_name=spec.env)
         self.started = time.time()
         self.episodes = 0
+        self._held: dict[str, dict[int, Any]] = {}
+        """Group id → sample index → its `PausedEpisode` or, once ended, its `Trajectory` (partial rollouts)."""
 
     def collect(self, tasks: list[tuple[str, Any]], n_per_task: int, group_prefix: str = "",
                 sampling: SamplingParams | None = None) -> list:
@@ -115,6 +143,27 @@ class RolloutWorker:
         self.episodes += len(trajectories)
         return trajectories
 
+    def collect_partial(self, tasks: list[tuple[str, Any]], n_per_task: int, group_prefix: str = "",
+                        max_rounds: int = 1) -> PartialCollection:
+        """Start `tasks` (as `collect`) and continue every episode paused by earlier calls, for at most
+        `max_rounds` turns each; hand back the groups that ended and keep the others (see module docstring)."""
+        from rollout.agent_loop import EpisodeRequest, PausedEpisode
+        from rollout.trajectory import Trajectory
+
+        requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
+                    for task_id, task in tasks for j in range(n_per_task)]
+        again = sorted({r.group_id for r in requests} & set(self._held))
+        if again:
+            raise ValueError(f"collect_partial: group(s) {again[:3]} are already held by this worker")
+        resume = [m for members in self._held.values() for m in members.values() if isinstance(m, PausedEpisode)]
+        results = self.loop.run(requests, max_rounds=max_rounds, resume=resume)
+        for request, result in zip([p.request for p in resume] + requests, results):
+            self._held.setdefault(request.group_id, {})[request.sample_idx] = result
+        ended = [g for g, members in self._held.items() if all(isinstance(m, Trajectory) for m in members.values())]
+        trajectories = [t for g in ended for _, t in sorted(self._held.pop(g).items(), key=lambda m: m[0])]
+        self.episodes += len(trajectories)
+        return PartialCollection(trajectories, list(self._held))
+
     def node_id(self) -> str:
         """The Ray node this worker runs on (None outside Ray)."""
         import ray
@@ -129,7 +178,7 @@ class RolloutWorker:
         return {"ok": True, "pid": os.getpid(), "host": socket.gethostname(), "engine": self.spec.engine,
                 "version": self.engine.version, "episodes": self.episodes,
                 "uptime_s": round(time.time() - self.started, 1),
-                "generated_tokens": self.loop.stats.generated_tokens}
+                "generated_tokens": self.loop.stats.generated_tokens, "paused_groups": len(self._held)}
 
     def stats(self) -> dict[str, float]:
         s = self.loop.stats

@@ -6,7 +6,7 @@ its cap; a state_dict round trip continues the exact task sequence with nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -35,6 +35,7 @@ class FakeChunk:
 @dataclass
 class FakeSlot:
     chunk: Optional[FakeChunk] = None
+    held: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -52,6 +53,14 @@ class FakePool:
         self.lose, self.calls, self.version = set(lose), 0, 0
         self.dispatched: list[FakeChunk] = []
         self.counters = {"spawned": num_workers, "restarts": 0, "chunk_counter": 0}
+        self.lost: list = []
+
+    def held_tasks(self):
+        return []
+
+    def take_lost(self):
+        lost, self.lost = self.lost, []
+        return lost
 
     def idle(self):
         return [s for s in self.slots if s.chunk is None]

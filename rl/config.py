@@ -71,6 +71,8 @@ Optimizer = StrEnum("Optimizer", {"adamw": "adamw", "muon": "muon"})
 """The learner's optimizer (rl/optim.py)."""
 DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "float64")})
 """The learner's parameter dtype."""
+PartialResume = StrEnum("PartialResume", {"reprefill": "reprefill", "keep_state": "keep_state"})
+"""How a paused episode continues under new weights (`rollout.partial_resume`)."""
 LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_warmup", "linear", "cosine")})
 """The learning-rate schedule over optimizer steps (transformers' schedulers of these names; rl/optim.py)."""
 
@@ -141,6 +143,16 @@ class RolloutConfig:
     """Ray GPUs per rollout worker (run.device=cuda)."""
     max_restarts: int = 10
     """Rollout actors replaced after dying, over the whole run, before the run gives up."""
+    partial_rounds: int = 0
+    """Partial rollouts: model turns per episode in one collection call; an episode still running after them is
+    paused at that turn boundary and kept by its worker, which continues it in its next call with the weights
+    pushed meanwhile, so a long episode spans learner steps without holding them up. Its sampled tokens then carry
+    several policy versions; `rl.max_staleness` bounds the oldest (the group is dropped beyond it). 0: off (every
+    call runs its episodes to the end)."""
+    partial_resume: PartialResume = PartialResume["reprefill"]
+    """How a paused episode continues: `reprefill` (the new weights prefill its whole context again) or
+    `keep_state` (continue from the KV/recurrent state the old weights computed; needs an engine that continues
+    an episode's state across a weight update, which neither engine does yet: refused at start)."""
 
 
 @dataclass

@@ -33,6 +33,22 @@ to metrics.jsonl; it is never trained on. Each collection is checked on arrival:
 token must carry the version last pushed to that worker, otherwise a weight push was lost and
 the run stops (`WeightSyncError`) rather than train on tokens from unknown weights.
 
+Partial rollouts (`rollout.partial_rounds` = k > 0, `rollout.partial_resume`). A training collection
+call runs each episode for at most k turns; an episode still running is paused at that turn
+boundary and its worker keeps it (and the ended samples of its group) for its next call, which
+continues it with the weights pushed in between: one episode spans several learner steps without
+holding any of them up. Its sampled tokens carry the version of the call that sampled them (checked
+on arrival against the versions pushed before those calls); the staleness bound applies to the
+oldest (a group whose first turns are more than `rl.max_staleness` versions behind when trained is
+dropped, as above). A held group is in flight: it counts against the prefetch cap, is never handed
+out twice, and if its actor dies its task is collected again; a checkpoint lists held groups' tasks
+to be collected again on resume (the episodes live only in the workers' memory). Per step:
+`episode/stale_sampled_tokens` (mean per trajectory of sampled tokens older than its newest
+version), `episode/pauses`, `rollout/held_groups`. `reprefill` (the only resume so far) prefills
+the paused context again under the new weights; `keep_state` (continue from the KV/recurrent state
+the old weights computed, and report the mismatch) is refused until an engine can continue a
+state across a weight update.
+
 Failures (rl/rollout_pool.py owns the actors). A rollout actor that dies (`RayActorError` from a collection or a weight push) is
 replaced by a new actor that first receives the current weights; its tasks are collected again
 (an eval chunk is re-run). `workers/restarts` counts replacements; `rollout.max_restarts`
@@ -95,7 +111,7 @@ from rl.metrics import METRICS_FILE, MetricsLogger, plot
 from rl.tasks import make_tasks, read_tasks, remove_training_tasks
 from rl.transcripts import write_eval_episodes
 from rl.rollout_pool import RolloutPool, WeightSyncError  # noqa: F401  (WeightSyncError: re-exported)
-from rollout.worker import WorkerSpec, check_engine_args
+from rollout.worker import KEEP_STATE_MISSING, WorkerSpec, check_engine_args
 
 
 TrainJobConfig = JobConfig
@@ -157,7 +173,7 @@ class Trainer:
             engine_kwargs=OmegaConf.to_container(ro.engine_args, resolve=True),
             sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_new_tokens),
             max_context_tokens=ro.max_context_tokens, budget=with_budget(env.budget, max_turns=ro.max_turns),
-            seed=cfg.run.seed, device=cfg.run.device)
+            seed=cfg.run.seed, device=cfg.run.device, partial_resume=str(ro.partial_resume))
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=1.0,
                                             max_tokens=ro.max_new_tokens, seed=cfg.run.seed)
 
@@ -180,7 +196,8 @@ class Trainer:
         self.logger: Optional[MetricsLogger] = None
         self.pool = RolloutPool(self.spec, ro.num_workers, ro.num_cpus, ro.num_gpus,
                                 max_restarts=ro.max_restarts, runtime_env=worker_env,
-                                log=lambda line: self.logger.print(line) if self.logger is not None else None)
+                                log=lambda line: self.logger.print(line) if self.logger is not None else None,
+                                partial_rounds=ro.partial_rounds)
         self.collector = Collector(self.pool, self.train_tasks, seed=cfg.run.seed, group_size=rl.group_size,
                                    tasks_per_step=rl.tasks_per_step, max_staleness=self.max_staleness,
                                    eval_sampling=self.eval_sampling)
@@ -246,7 +263,9 @@ class Trainer:
         for key in positive:
             if OmegaConf.select(self.cfg, key) < 1:
                 raise ConfigError(f"{key}: must be ≥ 1, got {OmegaConf.select(self.cfg, key)}")
-        for key in ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts"):
+        non_negative = ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts",
+                        "rollout.partial_rounds")
+        for key in non_negative:
             if OmegaConf.select(self.cfg, key) < 0:
                 raise ConfigError(f"{key}: must be ≥ 0, got {OmegaConf.select(self.cfg, key)}")
         from envs.registry import UnknownEnvironment, resolve, user_module_path
@@ -263,6 +282,8 @@ class Trainer:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"algo.name / algo.args: {e}") from None
 
+        if self.cfg.rollout.partial_resume == "keep_state":
+            raise ConfigError(KEEP_STATE_MISSING)
         try:
             check_engine_args(str(self.cfg.rollout.engine), dict(self.cfg.rollout.engine_args))
         except ValueError as e:
@@ -415,6 +436,9 @@ class Trainer:
             "buffer/dropped_stale_total": float(self.buffer.dropped_groups),
             "buffer/waiting_groups": float(len(self.buffer)),
             "workers/restarts": float(self.pool.restarts), "policy/version": float(self.version),
+            "episode/stale_sampled_tokens": float(np.mean([t.metrics.get("stale_sampled_tokens", 0.0) for t in trajs])),
+            "episode/pauses": float(np.mean([t.metrics.get("pauses", 0.0) for t in trajs])),
+            "rollout/held_groups": float(len(self.pool.held_tasks())),
         }
         components = sorted({k for t in trajs for k, v in t.rewards.items() if isinstance(v, (int, float))})
         for key in components:  # whatever the environment reports (exact match, F1, evidence recall, …)

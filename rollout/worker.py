@@ -54,9 +54,10 @@ class PartialCollection:
     """Group ids still held by the worker (at least one episode paused), for its next call."""
 
 
-KEEP_STATE_MISSING = ("rollout.partial_resume=keep_state is not implemented yet: it needs the engine's per-episode "
-                      "sessions (KV/recurrent state kept between generate calls) carried across a weight change, and a "
-                      "report of the context tokens whose state the old weights computed; use reprefill")
+KEEP_STATE_MISSING = ("rollout.partial_resume=keep_state is not implemented yet: it needs an engine that continues an "
+                      "episode's KV/recurrent state across a weight update (the native engine drops its session states "
+                      "on load_weights) and a report of the context tokens whose state the old weights computed; "
+                      "use reprefill")
 
 
 # What each engine sets itself from the job (the model directory, context length, seed, device).

@@ -150,3 +150,18 @@ def test_bad_position_ids():
         model(ids, position_ids=pos - 1)
     with pytest.raises(ValueError, match="position_ids"):
         model(ids, position_ids=pos + model.config.max_position_embeddings)
+
+
+def test_make_step_marks_documents_and_positions():
+    """RoPE is relative, so restarted positions cannot show in the outputs (above): the step must carry the
+    given positions, the documents of each row and their boundaries laid end to end."""
+    from model.cache import make_step
+
+    _, pos, _ = _batch()
+    step = make_step((len(ROWS), T), "cpu", None, None, 4096, pos)
+    assert torch.equal(step.positions, pos)
+    assert step.documents[0].unique_consecutive(return_counts=True)[1].tolist() == [70, 1, 33, 26]
+    assert step.documents[1].unique_consecutive(return_counts=True)[1].tolist() == [57, 45, 28]
+    assert step.documents[2].tolist() == [0] * T
+    assert step.cu_seqlens.tolist() == [0, 70, 71, 104, 130, 187, 232, 260, 390]
+    assert step.attn_mask().shape == (len(ROWS), 1, T, T)

@@ -18,7 +18,10 @@ within the document only. `nbytes()` counts the state tensors only (conv, recurr
 
 The cache grows in place (amortised doubling of the latent buffers), can be snapshotted
 (a trimmed deep copy) and restored, and re-indexed along the batch (`select`), e.g. to fork a
-prefilled prompt into a group of samples.
+prefilled prompt into a group of samples. `unstack` cuts rows out as one-sequence caches (padding
+dropped) and `K3Cache.stack` merges such caches of different lengths into one left-padded batch,
+so the native engine can keep an episode's state between turns and decode it beside others
+(rollout/torch_engine.py).
 """
 
 from __future__ import annotations
@@ -164,6 +167,56 @@ class K3Cache:
         if index.ndim != 1 or index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= self.batch_size:
             raise ValueError(f"index: need a non-empty 1-D index into a batch of {self.batch_size}, got {index.tolist()}")
         return self._rebuild(index, self.capacity)
+
+    @staticmethod
+    def stack(caches: list["K3Cache"], capacity: int = 0) -> "K3Cache":
+        """One batch of every row of `caches`, in order, left-padded to the longest; room for `capacity` tokens.
+
+        A row keeps its real tokens only (its own padding dropped) and is shifted right so that all rows end
+        at the batch's last column; `pad_len` counts the new padding. Conv and recurrent states are per row
+        and copied as they are. Positions are `absolute − pad` (`make_step`), so each row's next token gets
+        the position it has in its own cache, and the stored k_pe (rotated at their own positions) stay
+        valid: decoding the stack equals decoding each row alone, with RoPE as without."""
+        if not caches:
+            raise ValueError("stack: need at least one cache")
+        first = caches[0]
+        for c in caches[1:]:
+            if c.config is not first.config and c.config.to_dict() != first.config.to_dict():
+                raise ValueError("stack: the caches belong to different model configs")
+            if c.dtype != first.dtype or c.device != first.device:
+                raise ValueError(f"stack: caches in {first.dtype} on {first.device} and {c.dtype} on {c.device}")
+        lengths = torch.cat([c.seq_len - c.pad_len for c in caches])  # [B] real tokens per row
+        L = int(lengths.max())
+        new = K3Cache(first.config, int(lengths.numel()), max(capacity, L), first.dtype, first.device)
+        new.seq_len, new.pad_len = L, L - lengths
+        new.conv = {i: torch.cat([c.conv[i] for c in caches]) for i in first.conv}
+        new.recurrent = {i: torch.cat([c.recurrent[i] for c in caches]) for i in first.recurrent}
+        row = 0
+        for c in caches:
+            for b, p in enumerate(c.pad_len.tolist()):
+                n = c.seq_len - p
+                for i, buf in new.latent.items():
+                    buf[row, L - n:L] = c.latent[i][b, p:c.seq_len]
+                row += 1
+        return new
+
+    def unstack(self, index: torch.Tensor | list[int] | None = None) -> list["K3Cache"]:
+        """Rows `index` (default all) as one-sequence caches holding their real tokens only (no padding,
+        capacity = length): the inverse of `stack`, e.g. to keep a sequence's state after its batch is gone."""
+        rows = range(self.batch_size) if index is None else torch.as_tensor(index).tolist()
+        out = []
+        for b in rows:
+            p = int(self.pad_len[b])
+            one = K3Cache.__new__(K3Cache)
+            one.__dict__.update(self.__dict__)
+            one.batch_size, one.seq_len = 1, self.seq_len - p
+            one.capacity = one.seq_len
+            one.pad_len = self.pad_len.new_zeros(1)
+            one.conv = {i: t[b:b + 1].clone() for i, t in self.conv.items()}
+            one.recurrent = {i: t[b:b + 1].clone() for i, t in self.recurrent.items()}
+            one.latent = {i: t[b:b + 1, p:self.seq_len].clone() for i, t in self.latent.items()}
+            out.append(one)
+        return out
 
     def _rebuild(self, index: torch.Tensor, capacity: int) -> "K3Cache":
         new = K3Cache.__new__(K3Cache)

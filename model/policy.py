@@ -16,6 +16,8 @@ toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supe
 - `prefill` / `decode` / `select`: batched generation with the model's own cache (K3: `K3Cache`, with the
   routed expert ids of every step for routing replay; HF: its KV cache with explicit positions, so left
   padding is exact); a long prompt is prefilled in segments (bounded activations, exact up to rounding).
+- `split` / `stack` / `extend` (K3 only, `resumable`): keep one sequence's decode state, merge kept states of
+  different lengths into one batch, feed new tokens on top — the native engine's state reuse across turns.
 
 A third model family costs one subclass that overrides these.
 """
@@ -169,6 +171,42 @@ class Policy:
         for layer in cache.layers:
             layer.batch_select_indices(index)
         return {"cache": cache, "mask": state["mask"][index], "pos": state["pos"][index]}
+
+
+    # ---- kept states (K3): one sequence's state outlives its batch and is resumed later
+
+    @property
+    def resumable(self) -> bool:
+        """Whether decode states can be split per sequence, stacked at different lengths and extended: K3
+        (`K3Cache.unstack` / `stack`). HF KV caches are not (their layouts vary by model and version): callers
+        prefill the whole context again."""
+        return self.is_k3
+
+    def split(self, state: dict, rows: list[int]) -> list[dict]:
+        """The decode state of each of `rows` alone (one sequence, its padding dropped)."""
+        route = state.get("route")
+        caches = state["cache"].unstack(rows)
+        return [{"cache": c, "route": None if route is None else route[r:r + 1, -1:].clone()}
+                for r, c in zip(rows, caches)]
+
+    def stack(self, states: list[dict], capacity: int = 0) -> dict:
+        """One batch state of every row of `states`, in order, left-padded to the longest (`K3Cache.stack`)."""
+        routes = [s.get("route") for s in states]
+        route = None if any(r is None for r in routes) else torch.cat([r[:, -1:] for r in routes])
+        cache = type(states[0]["cache"]).stack([s["cache"] for s in states], capacity)
+        return {"cache": cache, "route": route}
+
+    def extend(self, ids: torch.Tensor, state: dict, segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+        """New tokens [B, T] (no padding) on top of a decode state → last-position logits [B, V] and the state,
+        in segments of `segment_tokens` as `prefill`."""
+        if not self.resumable:
+            raise NotImplementedError(f"{type(self.model).__name__}: kept decode states are K3-only")
+        T = ids.shape[1]
+        seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
+        cache = state["cache"]
+        for lo in range(0, T, seg):
+            out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
+        return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
 
 
 def _is_k3(model: Any) -> bool:

@@ -9,12 +9,16 @@ Sampling semantics shared by both engines (they must agree in distribution): log
 then nucleus (top-p) truncation, then one categorical draw. The reported logprob of a sampled
 token is that of the unmodified model distribution (log_softmax of the raw logits), which is what
 the learner recomputes; temperature 0 means greedy.
+
+`SessionEngine` is the optional extension for engines that keep an episode's decode state between its
+turns (`TorchEngine` with `reuse_state`, rollout/sessions.py): the agent loop uses it when an engine has
+it, and calls plain `generate(prompts, params)` otherwise (vLLM reuses prefixes with its own cache).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -72,3 +76,17 @@ class Engine(Protocol):
 
     def reset_cache(self) -> None:
         """Drop cached prefixes/KV state computed with older weights."""
+
+
+@runtime_checkable
+class SessionEngine(Engine, Protocol):
+    """An engine that keeps each sample's state under a session id between `generate` calls."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 sessions: Sequence[Sequence[Hashable]] | None = None) -> list[list[Completion]]:
+        """As `Engine.generate`; prompts may also be 1-D integer arrays. `sessions`: per prompt, `params.n`
+        ids (one per sample) whose states are kept; a later prompt naming an id and extending that sample's
+        tokens continues from its state instead of prefilling them again."""
+
+    def end_sessions(self, ids: Iterable[Hashable]) -> None:
+        """Drop the kept states of sessions `ids` (their episodes ended)."""

@@ -9,24 +9,39 @@ The embedded default on the CPU (vLLM's K3 kernels need CUDA). One `generate` ca
    (`K3Cache.select` / the HF cache's `batch_select_indices`), so sequences that finish early
    cost nothing afterwards.
 
+State reuse across turns (`reuse_state`, on by default; K3 only): `generate(..., sessions=…)` names each
+sample's session (the agent loop passes one id per episode). When a sample finishes, its row's state is
+kept under that id (rollout/sessions.py: the prompt and its sampled tokens but the pending last one). A
+later prompt naming that id and extending those tokens exactly is not prefilled again: the kept states of
+such prompts are stacked at their different lengths (`K3Cache.stack`: left-padded, exact with RoPE as with
+NoPE), grouped by how many new tokens they bring, and only the new tokens run through the model; then
+they join the fresh prompts' batch for decoding, in prompt order, so sampling draws the same numbers as a
+full prefill would. A prompt that does not extend its session, or whose session was computed by other
+weights, is prefilled in full (counted in `stats`). `end_sessions` drops an episode's state;
+`load_weights` and `reset_cache` drop them all (`load_weights(..., keep_sessions=True)` keeps them, and
+`session_version` tells which weights computed one). HF models (`Policy.resumable` false) and
+`reuse_state=False` prefill every prompt in full.
+
 Sampling follows rollout/engine.py (the same semantics as vLLM's): logits / temperature, top-p
 truncation, one categorical draw from a seeded generator; the reported logprob is that of the
 raw model distribution. A sample stops at EOS, a stop token, a stop string (checked on the
 decoded tail, kept in the output) or `max_tokens`. K3 models also report the routed expert ids
 of each sampled token (for routing replay).
 
-Not done here: a prefix cache across calls (each call prefills its prompts in full) and
-continuous batching of new requests into a running batch.
+Not done here: a prefix cache shared between sequences across calls (only a session's own state is
+reused) and continuous batching of new requests into a running batch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Hashable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from rollout.engine import Completion, SamplingParams
+from rollout.sessions import PrefillStats, Session, SessionStore
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -52,7 +67,7 @@ class TorchEngine:
     """Generate with a PyTorch model in this process; see module docstring."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", seed: int = 0, max_batch: int = 64,
-                 prefill_tokens: int = 2048):
+                 prefill_tokens: int = 2048, reuse_state: bool = True):
         from model.policy import Policy
 
         self.model = model.to(device).eval()
@@ -67,6 +82,14 @@ class TorchEngine:
         self.version = 0
         self.is_k3 = self.policy.is_k3
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
+        self.reuse_state = reuse_state
+        self.sessions = SessionStore()
+        self.stats = PrefillStats()
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether `sessions` passed to `generate` are kept and resumed (`reuse_state` and a K3 model)."""
+        return self.reuse_state and self.policy.resumable
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -78,7 +101,10 @@ class TorchEngine:
         policy = load_policy(model_dir, dtype=dtype)
         return cls(policy.model, AutoTokenizer.from_pretrained(model_dir), device=device, **kwargs)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     keep_sessions: bool = False) -> None:
+        """Replace the weights; the kept session states are dropped unless `keep_sessions` (they keep the
+        version that computed them, `session_version`; `generate` does not resume them under other weights)."""
         state = self.model.state_dict()
         updates = dict(named_tensors)
         unknown = sorted(set(updates) - set(state))
@@ -90,33 +116,54 @@ class TorchEngine:
         with torch.no_grad():
             for name, t in updates.items():
                 state[name].copy_(t)
+        if not keep_sessions:
+            self.sessions.clear()
         self.version = version
 
     def reset_cache(self) -> None:
-        """Nothing persists between calls (no prefix cache yet)."""
+        """Drop every kept session state."""
+        self.sessions.clear()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def end_sessions(self, ids: Iterable[Hashable]) -> None:
+        """Drop the kept states of sessions `ids` (episodes that ended); unknown ids are ignored."""
+        self.sessions.end(ids)
+
+    def session_version(self, session: Hashable) -> int | None:
+        """Weights version that computed session `session`'s kept state; None when none is kept."""
+        return self.sessions.version(session)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 sessions: Sequence[Sequence[Hashable]] | None = None) -> list[list[Completion]]:
+        """For each prompt (a list or 1-D integer array of token ids), `params.n` completions. `sessions`:
+        per prompt, `params.n` distinct ids, one per sample, whose states are kept after this call and
+        resumed by a later prompt that extends them (module docstring); None keeps nothing."""
+        if sessions is not None:
+            if len(sessions) != len(prompts) or any(len(s) != params.n for s in sessions):
+                raise ValueError(f"sessions: need {params.n} ids for each of the {len(prompts)} prompts")
+            flat = [k for s in sessions for k in s]
+            if len(set(flat)) != len(flat):
+                raise ValueError("sessions: an id is given to two samples")
+        if not self.keeps_state:
+            sessions = None
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         per_chunk = max(1, self.max_batch // params.n)
         out: list[list[Completion]] = []
         for i in range(0, len(prompts), per_chunk):
-            out += self._generate_batch(prompts[i:i + per_chunk], params)
+            out += self._generate_batch(prompts[i:i + per_chunk], params,
+                                        None if sessions is None else sessions[i:i + per_chunk])
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                        sessions: Sequence[Sequence[Hashable]] | None) -> list[list[Completion]]:
+        prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         B, n, dev = len(prompts), params.n, self.device
-        T = max(len(p) for p in prompts)
-        ids = torch.full((B, T), self.tokenizer.pad_token_id or 0, dtype=torch.long, device=dev)
-        mask = torch.zeros((B, T), dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            ids[b, T - len(p):] = torch.tensor(p, device=dev)
-            mask[b, T - len(p):] = 1
-        logits, state = self._prefill(ids, mask, T + params.max_tokens)
-        rows = torch.arange(B, device=dev).repeat_interleave(n)  # [B·n]
+        order, logits, state = self._prompt_states(prompts, params, sessions)
+        position = {b: r for r, b in enumerate(order)}
+        rows = torch.tensor([position[b] for b in range(B)], device=dev).repeat_interleave(n)  # [B·n]
         logits, state = logits[rows], self._select(state, rows)
         N = B * n
         tokens: list[list[int]] = [[] for _ in range(N)]
@@ -137,6 +184,9 @@ class TorchEngine:
                     reasons[s] = "stop"
                 elif len(tokens[s]) < params.max_tokens:
                     keep.append(row)
+            if sessions is not None and len(keep) < len(alive):
+                done = sorted(set(range(len(alive))) - set(keep))
+                self._keep_sessions(state, done, [alive[r] for r in done], prompts, tokens, sessions, n)
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -154,6 +204,63 @@ class TorchEngine:
                 routed[s] += [blank] * (len(tokens[s]) - len(routed[s]))
         return [[Completion(tokens[b * n + j], logps[b * n + j], reasons[b * n + j],
                             routed[b * n + j] or None) for j in range(n)] for b in range(B)]
+
+    def _prompt_states(self, prompts: list[np.ndarray], params: SamplingParams,
+                       sessions: Sequence[Sequence[Hashable]] | None) -> tuple[list[int], torch.Tensor, dict]:
+        """Prefill the prompts — from a kept session where one continues, else in full: (the prompt of each
+        row, last-position logits [B, V], the decode state with room for `params.max_tokens` more)."""
+        dev = self.device
+        resumed: dict[int, Session] = {}
+        for b, p in enumerate(prompts):
+            kept, why = (None, None) if sessions is None else self.sessions.take(sessions[b], p, self.version)
+            if kept is not None:
+                resumed[b] = kept
+            elif why == "prefix":
+                self.stats.prefix_fallbacks += 1
+            elif why == "version":
+                self.stats.version_fallbacks += 1
+        parts: list[tuple[list[int], torch.Tensor, dict]] = []
+        fresh = [b for b in range(len(prompts)) if b not in resumed]
+        if fresh:
+            T = max(len(prompts[b]) for b in fresh)
+            ids = torch.full((len(fresh), T), self.tokenizer.pad_token_id or 0, dtype=torch.long, device=dev)
+            mask = torch.zeros((len(fresh), T), dtype=torch.long, device=dev)
+            for r, b in enumerate(fresh):
+                ids[r, T - len(prompts[b]):] = torch.from_numpy(prompts[b]).to(dev)
+                mask[r, T - len(prompts[b]):] = 1
+            logits, state = self._prefill(ids, mask, T + params.max_tokens)
+            parts.append((fresh, logits, state))
+            self.stats.full_prompts += len(fresh)
+            self.stats.prefilled_tokens += sum(len(prompts[b]) for b in fresh)
+        # Kept states take their new tokens in one step per distinct count: only left padding is exact
+        # (a padding column inside a sequence would shift the KDA conv window).
+        by_new: dict[int, list[int]] = {}
+        for b, kept in resumed.items():
+            by_new.setdefault(len(prompts[b]) - len(kept.tokens), []).append(b)
+        for new, members in by_new.items():
+            kept = [resumed[b] for b in members]
+            longest = max(len(k.tokens) for k in kept)
+            state = self.policy.stack([k.state for k in kept], capacity=longest + new + params.max_tokens)
+            ids = torch.from_numpy(np.stack([prompts[b][len(k.tokens):] for b, k in zip(members, kept)])).to(dev)
+            logits, state = self.policy.extend(ids, state, self.prefill_tokens)
+            parts.append((members, logits, state))
+            self.stats.resumed_prompts += len(members)
+            self.stats.prefilled_tokens += new * len(members)
+            self.stats.reused_tokens += sum(len(k.tokens) for k in kept)
+        if len(parts) == 1:
+            return parts[0]
+        capacity = max(len(p) for p in prompts) + params.max_tokens
+        return ([b for members, _, _ in parts for b in members], torch.cat([lg for _, lg, _ in parts]),
+                self.policy.stack([st for _, _, st in parts], capacity))
+
+    def _keep_sessions(self, state: dict, rows: list[int], samples: list[int], prompts: list[np.ndarray],
+                       tokens: list[list[int]], sessions: Sequence[Sequence[Hashable]], n: int) -> None:
+        """Keep the state of finished `rows` (sample indices `samples`) under their session ids: it covers
+        the prompt and the sampled tokens but the last, which stays pending (rollout/sessions.py)."""
+        for row_state, s in zip(self.policy.split(state, rows), samples):
+            b, j = divmod(s, n)
+            consumed = np.concatenate([prompts[b], np.asarray(tokens[s][:-1], dtype=np.int64)])
+            self.sessions.put(sessions[b][j], Session(consumed, row_state, self.version))
 
     def _hits_stop(self, tokens: list[int], stops: tuple[str, ...], window: int) -> bool:
         tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)

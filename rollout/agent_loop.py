@@ -15,20 +15,29 @@ episode leaves the process. Its next turns are sampled by whatever weights the e
 and carry that version; the engine prefills the whole context again under those weights (the
 `reprefill` resume of rl/config.py `rollout.partial_resume`).
 
+State reuse: with an engine that keeps states (rollout/engine.py `SessionEngine`, the native engine),
+each episode is one session of the engine, and each round hands it the context as an array (no
+per-token Python list); the engine prefills only what the episode added since its last turn. The loop
+ends an episode's session when the episode ends; a paused episode keeps it (the engine drops it on a
+weight update, and the next turn is prefilled in full).
+
 The environment sees only text; the engine sees only tokens; the loop is the one place where
 they meet.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from envs.base import Budget, Env, Episode
 from envs.tools import STOP_SEQUENCES
 from rollout.chat import ChatRenderer
-from rollout.engine import Engine, SamplingParams
+from rollout.engine import Engine, SamplingParams, SessionEngine
 from rollout.trajectory import Trajectory, TrajectoryBuilder
 
 
@@ -57,6 +66,8 @@ class PausedEpisode:
     """Times the episode was paused so far."""
     finish: str | None = field(default=None, repr=False)
     """Set by `run` once the episode has ended."""
+    session: Any = field(default=None, repr=False)
+    """The engine session holding this episode's decode state (engines with sessions)."""
 
 
 @dataclass
@@ -84,6 +95,8 @@ class AgentLoop:
         self.stats = LoopStats()
         self._free_envs: list[Env] = []
         """Environments of ended episodes, reused (building one may load an index); a paused episode keeps its own."""
+        self._sessions = isinstance(engine, SessionEngine)
+        self._session_ids = itertools.count()
 
     def _count_tokens(self, text: str) -> int:
         return len(self.renderer.encode_text(text, tool_result=True))
@@ -128,7 +141,8 @@ class AgentLoop:
     def _start(self, request: EpisodeRequest) -> PausedEpisode:
         env = self._free_envs.pop() if self._free_envs else self.env_factory()
         episode = Episode(env, request.task, self.budget, self._count_tokens)
-        p = PausedEpisode(request, episode, TrajectoryBuilder(self.renderer.prompt_tokens(episode.messages)))
+        p = PausedEpisode(request, episode, TrajectoryBuilder(self.renderer.prompt_tokens(episode.messages)),
+                          session=(id(self), next(self._session_ids)))
         if p.builder.length >= self.max_context_tokens:
             p.finish = "truncated:context"
         return p
@@ -145,18 +159,31 @@ class AgentLoop:
         t0 = time.perf_counter()
         for room, idx in by_room.items():
             # Episodes whose contexts are identical (a task's group, in its first turn) are asked as
-            # one prompt with n samples, so the engine prefills that prompt once.
-            same: dict[tuple[int, ...], list[int]] = {}
+            # one prompt with n samples, so the engine prefills that prompt once. Contexts are compared as
+            # arrays, and only those of equal length.
+            same: list[tuple[np.ndarray, list[int]]] = []
+            by_len: dict[int, list[int]] = {}
             for i in idx:
-                same.setdefault(tuple(active[i].builder.tokens()), []).append(i)
-            by_n: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
-            for prompt, members in same.items():
+                context = active[i].builder.token_array()
+                groups = by_len.setdefault(len(context), [])
+                match = next((g for g in groups if np.array_equal(same[g][0], context)), None)
+                if match is None:
+                    groups.append(len(same))
+                    same.append((context, [i]))
+                else:
+                    same[match][1].append(i)
+            by_n: dict[int, list[tuple[np.ndarray, list[int]]]] = {}
+            for prompt, members in same:
                 by_n.setdefault(len(members), []).append((prompt, members))
             for n, prompts in by_n.items():
                 params = SamplingParams(n=n, temperature=self.params.temperature, top_p=self.params.top_p,
                                         max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
                                         stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
-                results = self.engine.generate([list(p) for p, _ in prompts], params)
+                if self._sessions:
+                    results = self.engine.generate([p for p, _ in prompts], params,
+                                                   sessions=[[active[i].session for i in m] for _, m in prompts])
+                else:
+                    results = self.engine.generate([p.tolist() for p, _ in prompts], params)
                 for (_, members), samples in zip(prompts, results):
                     outs.update((i, [c]) for i, c in zip(members, samples))
         self.stats.generate_seconds += time.perf_counter() - t0
@@ -185,6 +212,8 @@ class AgentLoop:
                 p.finish = "truncated:context"
             else:
                 builder.append_context(obs)
+        if self._sessions:
+            self.engine.end_sessions([p.session for p in active if p.finish is not None])
         self.stats.env_seconds += time.perf_counter() - t0
 
     def _trajectory(self, p: PausedEpisode) -> Trajectory:

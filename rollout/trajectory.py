@@ -139,7 +139,13 @@ class TrajectoryBuilder:
         return sum(end - start for start, end in self._spans)
 
     def tokens(self) -> list[int]:
-        return np.concatenate(self._tokens).tolist() if self._tokens else []
+        return self.token_array().tolist()
+
+    def token_array(self) -> np.ndarray:
+        """[N] int32, the tokens so far as one array (no per-token Python objects; the segments are merged in place)."""
+        if len(self._tokens) > 1:
+            self._tokens = [np.concatenate(self._tokens)]
+        return self._tokens[0] if self._tokens else np.zeros(0, dtype=np.int32)
 
     def finish(self, **fields) -> Trajectory:
         routed = None

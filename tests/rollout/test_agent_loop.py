@@ -147,9 +147,9 @@ def test_group_first_turn_is_one_prompt_with_n_samples(tiny_qwen3_dir, tokenizer
     calls = []
     generate = engine.generate
 
-    def recording(prompts, params):
+    def recording(prompts, params, **sessions):
         calls.append((len(prompts), params.n))
-        return generate(prompts, params)
+        return generate(prompts, params, **sessions)
 
     engine.generate = recording
     loop = AgentLoop(engine, tokenizer, Calc, SamplingParams(max_tokens=8, seed=0), env_name="calc")

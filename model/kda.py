@@ -10,7 +10,7 @@
 The gate is full rank (`g_proj`, K3) or low rank (`g_a_proj`→`g_b_proj`, Kimi-Linear) per
 `use_full_rank_gate`. The layer owns the parameters; the math lives in `kernels/kda` (delta rule,
 gate) and `kernels/short_conv` (conv with decode state). `A_log`, `dt_bias` and the conv
-weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is always computed in fp32.
+weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is computed in ≥ fp32.
 Left-padding tokens (`StepInfo.valid`) enter as zero inputs, which leaves conv and recurrent
 state exactly as if the padding were absent. Packed documents (`StepInfo.cu_seqlens`, training only) run
 as one packed sequence of B·T tokens: conv and recurrent state start from zero at every document.
@@ -132,7 +132,7 @@ class KimiDeltaAttention(nn.Module):
         q, q_state = self.q_conv1d(self.q_proj(x).view(*rows, -1), qkv_states[0], cu)  # [B, T, P]
         k, k_state = self.k_conv1d(self.k_proj(x).view(*rows, -1), qkv_states[1], cu)
         v, v_state = self.v_conv1d(self.v_proj(x).view(*rows, -1), qkv_states[2], cu)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.lower_bound)  # [B, T, H, K] fp32
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.lower_bound)  # [B, T, H, K] ≥ fp32
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         initial = cache.recurrent[self.layer_idx] if cache is not None else None  # [B, H, K, V]
 

@@ -2,8 +2,10 @@
 
 A trajectory of N tokens becomes one sequence of n = N − 1 positions: inputs `tokens[:-1]`,
 targets `tokens[1:]`, trained where `loss_mask[1:]` is 1 (the hidden state at position t scores
-token t + 1). Sequences are never split: `pack_micro_batches` groups whole sequences, longest
-first, so that the padded size B·T of each micro-batch stays within a token budget; `collate`
+token t + 1). `pack_micro_batches` groups whole sequences, longest first, so that the padded size
+B·T of each micro-batch stays within a token budget (a sequence longer than a segment is then trained
+segment by segment, rl/segments.py); `group_prefixes` finds the samples of a group that share their
+prompt, so that the prompt is computed once for them; `collate`
 right-pads them and packs the loss-mask tokens flat in row-major order, which is the `[T]`
 layout `rl.algos.base.LossInputs` wants. Right padding needs no attention mask for causal
 models (a real token never attends to a later position); the mask is still passed to HF models.
@@ -36,6 +38,13 @@ class TrainSequence:
     advantage: float
     routed: Optional[np.ndarray]
     """[n, L, k] int16 routing of each input token (-1: not recorded), or None."""
+    group: str = ""
+    """The trajectory's `group_id` (samples of one task: candidates for a shared prefix)."""
+
+    def tail(self, start: int) -> "TrainSequence":
+        """The positions from `start` on (what is left after a shared prefix)."""
+        return TrainSequence(self.inputs[start:], self.targets[start:], self.mask[start:], self.behaviour[start:],
+                             self.advantage, None if self.routed is None else self.routed[start:], self.group)
 
 
 @dataclass
@@ -72,7 +81,8 @@ def to_train_sequence(trajectory: Any, advantage: float) -> Optional[TrainSequen
     return TrainSequence(inputs=np.asarray(trajectory.tokens[:-1]), targets=np.asarray(trajectory.tokens[1:]),
                          mask=np.asarray(trajectory.loss_mask[1:], dtype=bool),
                          behaviour=np.asarray(trajectory.logprobs[1:], dtype=np.float32),
-                         advantage=float(advantage), routed=None if routed is None else np.asarray(routed[:-1]))
+                         advantage=float(advantage), routed=None if routed is None else np.asarray(routed[:-1]),
+                         group=str(trajectory.group_id or ""))
 
 
 def pack_micro_batches(lengths: Sequence[int], token_budget: int, max_seqs: Optional[int] = None) -> list[list[int]]:
@@ -91,6 +101,52 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int, max_seqs: Opti
         else:
             batches.append([i])
     return batches
+
+
+def shared_prefix(seqs: Sequence[TrainSequence]) -> int:
+    """Positions every sequence shares before any of them has a loss row: same inputs, same recorded routing
+    (a group's prompt). At least one position is left to each sequence."""
+    first = seqs[0]
+    n = min(len(s.inputs) for s in seqs) - 1
+    for s in seqs:
+        loss_rows = np.flatnonzero(s.mask)
+        n = min(n, int(loss_rows[0]) if len(loss_rows) else n)
+        differ = np.flatnonzero(s.inputs[:n] != first.inputs[:n])
+        n = min(n, int(differ[0]) if len(differ) else n)
+        if (s.routed is None) != (first.routed is None):
+            return 0
+        if s.routed is not None:
+            rows = np.flatnonzero((s.routed[:n] != first.routed[:n]).reshape(n, -1).any(-1))
+            n = min(n, int(rows[0]) if len(rows) else n)
+    return max(n, 0)
+
+
+def group_prefixes(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: Optional[int] = None,
+                   min_prefix: int = 16) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Split sequences into prefix-sharing units and the rest.
+
+    Sequences of one `group` sharing at least `min_prefix` positions (`shared_prefix`) form units of (prefix
+    length, member indices): members longest first, as many per unit as fit `token_budget` (prefix + count ×
+    longest suffix) and `max_seqs`; each unit computes the prefix once. Returns (units, indices of the rest).
+    """
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(seqs):
+        if s.group:
+            by_group.setdefault(s.group, []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    shared: set[int] = set()
+    for members in by_group.values():
+        if len(members) < 2:
+            continue
+        P = shared_prefix([seqs[i] for i in members])
+        if P < min_prefix:
+            continue
+        order = sorted(members, key=lambda i: (-len(seqs[i].inputs), i))
+        for idx in pack_micro_batches([len(seqs[i].inputs) - P for i in order], max(1, token_budget - P), max_seqs):
+            if len(idx) > 1:
+                units.append((P, [order[j] for j in idx]))
+                shared.update(order[j] for j in idx)
+    return units, [i for i in range(len(seqs)) if i not in shared]
 
 
 def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Optional[tuple[int, int]]) -> MicroBatch:
@@ -124,4 +180,5 @@ def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Opti
                       routed=None if routed is None else t(routed))
 
 
-__all__ = ["MicroBatch", "TrainSequence", "collate", "pack_micro_batches", "to_train_sequence"]
+__all__ = ["MicroBatch", "TrainSequence", "collate", "group_prefixes", "pack_micro_batches", "shared_prefix",
+           "to_train_sequence"]

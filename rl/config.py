@@ -223,6 +223,13 @@ class LearnerSettings:
     """Steps `linear` and `cosine` decay over; null: the job's step count (`rl.steps`, or the SFT run's steps)."""
     micro_batch_seqs: Optional[int] = None
     """At most this many sequences per micro-batch besides the token budget; null: no limit."""
+    segment_tokens: Optional[int] = None
+    """K3: train a sequence (or shared prompt) longer than this segment by segment — the forward keeps only the
+    state at each boundary, the backward recomputes one segment at a time (rl/segments.py): activation memory of
+    one segment, same loss and gradients, one more forward. null: whole sequences."""
+    share_prefix: bool = True
+    """K3: the samples of a group share their prompt: forward and backward it once and branch from its state
+    (rl/segments.py; the prompt's tokens count once in the router statistics). Other models: ignored."""
 
 
 # Keys that moved to another section: a recipe or override that still uses one is told where it went.

@@ -56,6 +56,7 @@ L MoE layers, k experts per token, d hidden size, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from enum import Enum
 import time
@@ -70,7 +71,8 @@ from rl import checkpoint as ckpt
 from rl import parallel
 from rl.algos import get_algo
 from rl.algos.base import Algorithm, LossInputs
-from rl.batching import MicroBatch, collate, pack_micro_batches, to_train_sequence
+from rl import segments
+from rl.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, to_train_sequence
 from rl.config import LearnerSettings
 from model.hf_names import stack_experts
 from model.policy import Policy, load_policy
@@ -114,6 +116,8 @@ class LearnerConfig(LearnerSettings):
         if str(self.lr_scheduler) in ("linear", "cosine") and not (self.total_steps and self.total_steps > 0):
             raise ValueError(f"total_steps: lr_scheduler {self.lr_scheduler!r} decays over total_steps, got "
                              f"{self.total_steps}")
+        if self.segment_tokens is not None and self.segment_tokens < 1:
+            raise ValueError(f"segment_tokens: must be ≥ 1 or null, got {self.segment_tokens}")
         if self.micro_batch_seqs is not None and self.micro_batch_seqs < 1:
             raise ValueError(f"micro_batch_seqs: must be ≥ 1 or null, got {self.micro_batch_seqs}")
 
@@ -195,13 +199,64 @@ class Learner:
     def _replay_shape(self) -> Optional[tuple[int, int]]:
         return self.routing_shape if self._replay else None
 
-    def logprobs(self, policy: Policy, mb: MicroBatch, replay: bool,
-                 entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """log π(target) [N] (and entropy [N]) on the loss-mask positions of a micro-batch."""
-        hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(),
-                                     routed_expert_ids=mb.routed if replay else None, rows=mb.loss_mask)  # [N, d]
-        result = policy.selected_logprobs(hidden, mb.targets, self.cfg.logprob_chunk_size, entropy=entropy)
-        return result if entropy else (result, None)
+    def _scorer(self, policy: Policy, targets: torch.Tensor, entropy: bool = False) -> segments.Scorer:
+        """(normed hidden rows, their positions in `targets`) → (log π, entropy or None), chunked (model/logprobs.py)."""
+        def score(hidden: torch.Tensor, order: torch.Tensor):
+            result = policy.selected_logprobs(hidden, targets[order], self.cfg.logprob_chunk_size, entropy=entropy)
+            return result if entropy else (result, None)
+        return score
+
+    def _segmented(self, unit: segments.Unit) -> bool:
+        return self.policy.is_k3 and segments.needs_segments(unit, self.cfg.segment_tokens)
+
+    def logprobs(self, policy: Policy, unit: segments.Unit, entropy: bool = False
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """log π(target) [N] (and entropy [N]) on the loss-mask positions of a unit, as one autograd graph (or
+        segment by segment without grad when the unit is longer than a segment and grad is off)."""
+        mb, score = unit.mb, self._scorer(policy, unit.mb.targets, entropy)
+        if self._segmented(unit):
+            if torch.is_grad_enabled():
+                raise RuntimeError("a unit longer than learner.segment_tokens trains through segments.forward/backward")
+            with self._router_stats(False):
+                fwd = segments.forward(policy.model, unit, self.cfg.segment_tokens, score, keep_states=False)
+            return fwd.logprobs, fwd.entropy
+        if unit.prefix is not None:
+            return segments.graph_logprobs(policy.model, unit, score)
+        hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
+                                     rows=mb.loss_mask)  # [N, d]
+        return score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
+
+    @contextlib.contextmanager
+    def _router_stats(self, on: bool):
+        """Count (or not) the routing of the forwards inside in the router-balancing statistics."""
+        before = [r.collect_stats for r in self._routers]
+        for r in self._routers:
+            r.collect_stats = on and r.collect_stats
+        try:
+            yield
+        finally:
+            for r, c in zip(self._routers, before):
+                r.collect_stats = c
+
+    def _units(self, seqs: list[TrainSequence], share_prefix: bool) -> list[segments.Unit]:
+        """Micro-batches as units: the groups' prefix-sharing units (K3 with `share_prefix`), then the rest packed
+        whole, longest first, within `micro_batch_tokens`."""
+        units: list[segments.Unit] = []
+        rest = list(range(len(seqs)))
+        if share_prefix and self.policy.is_k3:
+            shared, rest = group_prefixes(seqs, self.cfg.micro_batch_tokens, self.cfg.micro_batch_seqs)
+            for P, members in shared:
+                first = seqs[members[0]]
+                routed = None
+                if self._replay and first.routed is not None:
+                    routed = torch.from_numpy(first.routed[None, :P].astype(np.int64)).to(self.device)
+                units.append(segments.Unit(
+                    collate([seqs[i].tail(P) for i in members], self.device, self._replay_shape),
+                    torch.from_numpy(first.inputs[None, :P].astype(np.int64)).to(self.device), routed))
+        for idx in pack_micro_batches([len(seqs[i].inputs) for i in rest], self.cfg.micro_batch_tokens,
+                                      self.cfg.micro_batch_seqs):
+            units.append(segments.Unit(collate([seqs[rest[j]] for j in idx], self.device, self._replay_shape)))
+        return units
 
     @torch.no_grad()
     def score(self, trajectories: Sequence[Any]) -> list[np.ndarray]:
@@ -211,35 +266,42 @@ class Learner:
         prepared = [to_train_sequence(t, 0.0) for t in trajectories]
         out = [np.zeros(0) for _ in trajectories]
         live = [i for i, s in enumerate(prepared) if s is not None]
-        collect = [r.collect_stats for r in self._routers]
-        for r in self._routers:
-            r.collect_stats = False
-        try:
+        with self._router_stats(False):
             for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens,
                                           self.cfg.micro_batch_seqs):
-                mb = collate([prepared[live[j]] for j in idx], self.device, self._replay_shape)
-                logp, _ = self.logprobs(self.policy, mb, self._replay and mb.routed is not None)
-                per_seq = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
+                unit = segments.Unit(collate([prepared[live[j]] for j in idx], self.device, self._replay_shape))
+                logp, _ = self.logprobs(self.policy, unit)
+                per_seq = torch.bincount(unit.mb.seq_ids, minlength=unit.mb.num_seqs).tolist()
                 for j, part in zip(idx, logp.double().cpu().split(per_seq)):
                     out[live[j]] = part.numpy()
-        finally:
-            for r, c in zip(self._routers, collect):
-                r.collect_stats = c
         return out
 
-    def _micro_batch(self, mb: MicroBatch, n_tokens: float, n_seqs: float) -> tuple[torch.Tensor, dict]:
+    def _micro_batch(self, unit: segments.Unit, n_tokens: float, n_seqs: float) -> tuple[torch.Tensor, dict]:
+        """Forward, loss and backward of one unit (gradients accumulate). A unit longer than a segment runs the two
+        passes of rl/segments.py: log π without grad, the loss on it as a leaf, then the segments' backward."""
+        mb = unit.mb
         ref = None
         if self.ref_policy is not None:
+            plain = segments.Unit(dataclasses.replace(mb, routed=None), unit.prefix, None)  # the reference routes itself
             with torch.no_grad():
-                ref, _ = self.logprobs(self.ref_policy, mb, replay=False)
-        logp, entropy = self.logprobs(self.policy, mb, self._replay and mb.routed is not None,
-                                      entropy=self.cfg.compute_entropy)
+                ref, _ = self.logprobs(self.ref_policy, plain)
+        fwd = None
+        if self._segmented(unit):
+            score = self._scorer(self.policy, mb.targets, self.cfg.compute_entropy)
+            with self._router_stats(False):  # counted once, in the backward's recomputation
+                fwd = segments.forward(self.model, unit, self.cfg.segment_tokens, score)
+            logp, entropy = fwd.logprobs.detach().requires_grad_(), fwd.entropy
+        else:
+            logp, entropy = self.logprobs(self.policy, unit, entropy=self.cfg.compute_entropy)
         inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
                             behaviour_logprobs=mb.behaviour.to(logp.dtype), advantages=mb.advantages.to(logp.dtype),
                             seq_ids=mb.seq_ids, num_seqs=mb.num_seqs, num_tokens_global=n_tokens,
                             num_seqs_global=n_seqs, ref_logprobs=ref)
         loss, metrics = self.algo.loss(inputs)
         loss.backward()
+        if fwd is not None:
+            segments.backward(self.model, unit, self.cfg.segment_tokens, fwd, logp.grad,
+                              self._scorer(self.policy, mb.targets))
         if entropy is not None:
             metrics["entropy"] = entropy.detach().sum() / n_tokens
         return loss.detach(), metrics
@@ -275,11 +337,9 @@ class Learner:
 
         sums: dict[str, torch.Tensor] = {}
         bad_loss = False
-        batches = pack_micro_batches([len(s.inputs) for s in seqs], self.cfg.micro_batch_tokens,
-                                     self.cfg.micro_batch_seqs)
-        for idx in batches:
-            mb = collate([seqs[i] for i in idx], self.device, self._replay_shape)
-            loss, metrics = self._micro_batch(mb, n_tokens, n_seqs)
+        batches = self._units(seqs, self.cfg.share_prefix)
+        for unit in batches:
+            loss, metrics = self._micro_batch(unit, n_tokens, n_seqs)
             bad_loss |= not bool(torch.isfinite(loss))
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.double() if k in sums else v.double()

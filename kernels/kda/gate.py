@@ -5,8 +5,8 @@
     lower bound lb ∈ [−5, 0) (K3 report):    g = lb · σ(a_h · z)           so every per-token decay is > e^{lb}
 
 The lower-bound form is what lets `chunk_kda` factor its 16×16 diagonal tiles through plain matmuls
-(§5.7: |Γ_t − Γ_n| < 8·|lb| ≤ 40 nats around the tile midpoint). Always computed in float32, as vLLM keeps
-A_log and dt_bias in fp32 (§13.2). β = σ(b̃) is not computed here: it is one sigmoid in the layer.
+(§5.7: |Γ_t − Γ_n| < 8·|lb| ≤ 40 nats around the tile midpoint). Computed in at least float32, as vLLM keeps
+A_log and dt_bias in fp32 (§13.2); a float64 model (exactness tests) gets a float64 gate. β = σ(b̃) is not computed here: it is one sigmoid in the layer.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def kda_gate(
         lower_bound: None for the softplus form; else lb ∈ [−5, 0) (config key `gate_lower_bound`).
 
     Returns:
-        g: [B, T, H, K] float32, ≤ 0.
+        g: [B, T, H, K] in float32 (float64 for float64 f), ≤ 0.
     """
     H = A_log.shape[0]
     if f.dim() == 3:
@@ -40,12 +40,13 @@ def kda_gate(
     elif f.dim() != 4 or f.shape[2] != H:
         raise ValueError(f"f must be [B, T, H*K] or [B, T, H, K] with H={H}, got {tuple(f.shape)}")
     K = f.shape[-1]
-    z = f.float()
+    dtype = torch.promote_types(f.dtype, torch.float32)  # fp32 for half models, fp64 for a float64 one (tests)
+    z = f.to(dtype)
     if dt_bias is not None:
         if dt_bias.numel() != H * K:
             raise ValueError(f"dt_bias must be flat [H*K]={H * K}, got {tuple(dt_bias.shape)}")
-        z = z + dt_bias.float().view(H, K)
-    a = A_log.float().exp().unsqueeze(-1)  # [H, 1]
+        z = z + dt_bias.to(dtype).view(H, K)
+    a = A_log.to(dtype).exp().unsqueeze(-1)  # [H, 1]
     if lower_bound is None:
         return -a * F.softplus(z, beta=1.0, threshold=20.0)  # [B, T, H, K]
     lb = float(lower_bound)

@@ -1,0 +1,147 @@
+"""Segment-recurrent training and group prefix sharing (rl/segments.py) against whole-sequence training, in float64:
+the loss and every parameter gradient of a step are the same whether a sequence runs whole, in segments (lengths not
+multiples of the segment, loss masks that skip whole segments), or as a shared prompt branched to its group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rl.batching import group_prefixes, shared_prefix, to_train_sequence
+from rl.learner import Learner, LearnerConfig, compute_advantages
+from rollout.trajectory import TrajectoryBuilder
+from tests.model.k3_factory import make_config, make_model
+
+V = 97
+
+
+@pytest.fixture(scope="module", params=["nope", "rope"])
+def k3_path(request, tmp_path_factory):
+    """A tiny K3 (KDA, KDA, KDA, MLA; MoE from layer 2; AttnRes blocks of 2) in float64, MLA in NoPE or RoPE mode."""
+    config = make_config(num_hidden_layers=4, kda_layers=(1, 2, 3), mla_use_nope=request.param == "nope")
+    model = make_model(config, seed=3)
+    path = tmp_path_factory.mktemp(f"seg-k3-{request.param}")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def trajectory(rng, prompt, response_len, group, reward, gap=None, routed=False):
+    """prompt (loss 0) + sampled turn + optional tool output (loss 0) + sampled turn; random behaviour logprobs."""
+    b = TrajectoryBuilder(list(prompt))
+    first = response_len if gap is None else response_len // 2
+    route = (lambda n: rng.integers(0, 4, size=(n, 3, 2))) if routed else (lambda n: None)
+    b.append_sampled(rng.integers(1, V, first).tolist(), (-rng.random(first)).tolist(), 0, route(first))
+    if gap is not None:
+        b.append_context(rng.integers(1, V, gap).tolist())
+        rest = response_len - first
+        b.append_sampled(rng.integers(1, V, rest).tolist(), (-rng.random(rest)).tolist(), 0, route(rest))
+    return b.finish(reward=reward, group_id=group, task_id=group)
+
+
+def batch(seed=0, routed=False):
+    """Two groups: 3 samples of a 70-token prompt (one with a 45-token tool output, so a whole 32-token segment has no
+    loss row), and 2 samples of a 9-token prompt."""
+    rng = np.random.default_rng(seed)
+    p1, p2 = rng.integers(1, V, 70), rng.integers(1, V, 9)
+    return [trajectory(rng, p1, 37, "a", 1.0, routed=routed), trajectory(rng, p1, 50, "a", 0.0, gap=45, routed=routed),
+            trajectory(rng, p1, 21, "a", 0.5, routed=routed),
+            trajectory(rng, p2, 30, "b", 1.0, routed=routed), trajectory(rng, p2, 11, "b", 0.0, routed=routed)]
+
+
+def make_learner(path, **kw) -> Learner:
+    """A float64 learner; the gate and conv parameters, which loading keeps in float32, made float64 too."""
+    out = Learner(LearnerConfig(model_path=str(path), dtype="float64", micro_batch_tokens=400, **kw))
+    out.model.double()
+    return out
+
+
+def step_grads(learner: Learner, trajectories, segment_tokens, share_prefix):
+    """Summed loss and every parameter's gradient of one step's forward/backward (no optimizer step)."""
+    learner.cfg.segment_tokens = segment_tokens
+    adv = compute_advantages(learner.algo, trajectories)
+    seqs = [to_train_sequence(t, a) for t, a in zip(trajectories, adv)]
+    n_tokens, n_seqs = float(sum(int(s.mask.sum()) for s in seqs)), float(len(seqs))
+    learner.model.zero_grad(set_to_none=True)
+    learner._clear_router_stats()
+    loss = 0.0
+    units = learner._units(seqs, share_prefix)
+    for unit in units:
+        loss += float(learner._micro_batch(unit, n_tokens, n_seqs)[0])
+    grads = {n: p.grad.detach().clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+    tokens = [int(r._tokens) for r in learner._routers]
+    return loss, grads, units, tokens
+
+
+def assert_same(a, b, rtol=1e-9):
+    (la, ga, *_), (lb, gb, *_) = a, b
+    assert la == pytest.approx(lb, rel=rtol, abs=1e-12)
+    assert ga.keys() == gb.keys() and len(ga) > 20
+    for name in ga:
+        assert ga[name].dtype == torch.float64, name
+        scale = max(float(ga[name].abs().max()), 1e-6)
+        torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=rtol * scale, msg=name)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+def test_segmented_equals_whole(k3_path, algo, request):
+    if algo == "gspo" and "rope" in request.node.name:
+        pytest.skip("the sequence-level objective once is enough (NoPE)")
+    learner = make_learner(k3_path, algo=algo)
+    trajectories = batch()
+    whole = step_grads(learner, trajectories, None, share_prefix=False)
+    assert all(u.prefix is None for u in whole[2]) and max(u.length for u in whole[2]) > 100
+    for seg in (32, 23):  # 23: no length is a multiple of it
+        segmented = step_grads(learner, trajectories, seg, share_prefix=False)
+        assert_same(segmented, whole)
+        assert segmented[3] == whole[3]  # every token counted once by the routers (the first pass is not counted)
+
+
+def test_segmented_loss_mask_skips_whole_segments(k3_path):
+    learner = make_learner(k3_path)
+    (t,) = [batch()[1]]
+    mask = t.loss_mask[1:]
+    runs = np.flatnonzero(np.diff(np.r_[0, mask, 0]))
+    assert (runs[2] - runs[1]) >= 2 * 16  # the tool output covers at least one whole 16-token segment
+    assert_same(step_grads(learner, [t, batch()[0]], 16, False), step_grads(learner, [t, batch()[0]], None, False))
+
+
+def test_prefix_sharing_equals_separate(k3_path):
+    learner = make_learner(k3_path)
+    trajectories = batch(routed=True)
+    separate = step_grads(learner, trajectories, None, share_prefix=False)
+    shared = step_grads(learner, trajectories, None, share_prefix=True)
+    assert [u.prefix_len for u in shared[2] if u.prefix is not None] == [69]  # the 9-token prompt is too short; 69 predicts a sampled token
+    assert_same(shared, separate)
+    for seg in (16, 25):  # the prefix in several segments, the branch inside the member part
+        assert_same(step_grads(learner, trajectories, seg, share_prefix=True), separate)
+
+
+def test_prefix_sharing_counts_prompt_once(k3_path):
+    learner = make_learner(k3_path)
+    trajectories = batch()
+    separate = step_grads(learner, trajectories, None, share_prefix=False)[3]
+    shared = step_grads(learner, trajectories, None, share_prefix=True)[3]
+    assert [s - h for s, h in zip(separate, shared)] == [2 * 69] * len(shared)
+
+
+def test_shared_prefix_rules():
+    rng = np.random.default_rng(1)
+    p = rng.integers(1, V, 30)
+    ts = [trajectory(rng, p, 10, "g", 1.0), trajectory(rng, p, 12, "g", 0.0)]
+    seqs = [to_train_sequence(t, 0.0) for t in ts]
+    assert shared_prefix(seqs) == 29  # the last prompt position predicts the first sampled token: a loss row
+    other = to_train_sequence(trajectory(rng, np.r_[p[:5], p[5:] + 1], 10, "g", 0.0), 0.0)
+    assert shared_prefix([*seqs, other]) == 5
+    units, rest = group_prefixes(seqs, token_budget=1000, min_prefix=16)
+    assert units == [(29, [1, 0])] and rest == []
+    assert group_prefixes([*seqs, other], token_budget=1000, min_prefix=16) == ([], [0, 1, 2])  # 5 < 16
+    alone = to_train_sequence(trajectory(rng, p, 10, "h", 0.0), 0.0)  # the same prompt in another group
+    assert group_prefixes([*seqs, alone], token_budget=1000, min_prefix=16) == ([(29, [1, 0])], [2])
+    units, rest = group_prefixes(seqs, token_budget=29 + 11, min_prefix=16)  # one member per unit: nothing shared
+    assert units == [] and rest == [0, 1]
+
+
+def test_segment_tokens_validated(k3_path):
+    with pytest.raises(ValueError, match="segment_tokens"):
+        LearnerConfig(model_path=str(k3_path), segment_tokens=0)

@@ -15,6 +15,13 @@ matmuls (`kernels/moe/grouped.py`): the "vs naive experts" column.
 Episodes/s runs the agent loop against the search environment (each task carries its own
 passages) with a sampling budget of `--max-tokens` per turn; the random models mostly end
 after one turn, so episodes/s measures the loop's overhead around generation.
+
+    python bench/rollout.py --multi-turn   # only the multi-turn table: state reuse on vs off
+Multi-turn episodes on the tiny K3, the native engine with `reuse_state` on and off (the baseline, each
+turn prefilled in full), same weights and seed, in the same run: rollout tokens/s and prefilled tokens per
+episode. A random model writes no tool calls, so here the parser reads every turn as a `look` call whose
+observation length (2–13 lines) is hashed from the turn's text, and episodes end at the turn budget: the
+episode shape is real, the model's choices are not.
 """
 
 from __future__ import annotations
@@ -90,6 +97,77 @@ def episodes_per_second(engine, tokenizer, n: int, max_tokens: int) -> float:
     return n / seconds
 
 
+def multi_turn(engine, tasks: int, n: int, turns: int, max_tokens: int) -> list[tuple]:
+    """Rows (reuse, episodes, turns, tokens/s, prefilled and reused tokens per episode, seconds, trajectories)
+    of the same episodes with state reuse off, then on (module docstring)."""
+    import random
+    import zlib
+
+    import envs.tools as T
+    from envs import Env, tool
+    from envs.base import Budget
+    from rollout.agent_loop import AgentLoop, EpisodeRequest
+    from rollout.engine import SamplingParams
+    from rollout.sessions import PrefillStats
+    from rollout.torch_engine import TorchEngine
+
+    class Probe(Env):
+        """Look around until the turn budget runs out."""
+
+        def reset(self, task):
+            return task["question"]
+
+        @tool
+        def look(self, k: int) -> str:
+            """Look around.
+
+            Args:
+                k: lines to read
+            """
+            return "\n".join(f"line {j}: the river city north of the king's stone house" for j in range(k))
+
+    def every_turn_a_call(text: str):
+        return T.ToolCall("look", {"k": 2 + zlib.crc32(text.encode()) % 12})
+
+    rng = random.Random(0)
+    words = "the river city north king war music water light stone long short early late house".split()
+    requests = [EpisodeRequest({"question": " ".join(rng.choice(words) for _ in range(rng.randint(8, 80)))},
+                               f"t{i}", f"g{i}", j) for i in range(tasks) for j in range(n)]
+    parse, T.parse = T.parse, every_turn_a_call
+    rows = []
+    try:
+        for reuse in (False, True):
+            eng = TorchEngine(engine.model, engine.tokenizer, seed=0, reuse_state=reuse)
+            loop = AgentLoop(eng, eng.tokenizer, Probe, SamplingParams(max_tokens=max_tokens, seed=0),
+                             budget=Budget(max_turns=turns), max_context_tokens=8192, env_name="probe")
+            loop.run(requests[:1])  # warm-up
+            eng.stats, loop.stats.generated_tokens = PrefillStats(), 0
+            seconds, trajs = timed(lambda: loop.run(requests), repeats=1)
+            st, N = eng.stats, len(requests)
+            rows.append((reuse, N, turns, loop.stats.generated_tokens / seconds, st.prefilled_tokens / N,
+                         st.reused_tokens / N, seconds, trajs))
+    finally:
+        T.parse = parse
+    return rows
+
+
+def print_multi_turn(rows: list[tuple], max_tokens: int) -> None:
+    import numpy as np
+
+    (*off, off_trajs), (*on, on_trajs) = rows
+    same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(on_trajs, off_trajs))
+    context = np.mean([len(t) for t in on_trajs])
+    print(f"\nMulti-turn episodes, tiny K3, {on[1]} episodes ({on[1] // 2} tasks × 2 samples), {on[2]} turns of up to "
+          f"{max_tokens} tokens, {context:,.0f} tokens per episode at the end; same tokens in both runs: "
+          f"{same}/{len(on_trajs)} episodes\n")
+    print("| state reuse | tokens/s | prefilled tokens / episode | reused tokens / episode | seconds | tokens/s vs off "
+          "| prefilled vs off |")
+    print("|---|---|---|---|---|---|---|")
+    for reuse, _, _, tps, pre, kept, sec in (off, on):
+        print(f"| {'on' if reuse else 'off'} | {tps:,.0f} | {pre:,.0f} | {kept:,.0f} | {sec:.1f} | {tps / off[3]:.2f}× "
+              f"| {pre / off[4]:.2f}× |")
+
+
 def set_expert_impl(model, impl: str) -> None:
     """Run every routed-expert block of `model` with `impl` (kernels/moe: `grouped` or `naive`)."""
     from model.moe import Experts
@@ -105,6 +183,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--k3-only", action="store_true", help="only the tiny K3, grouped vs naive experts")
+    parser.add_argument("--multi-turn", action="store_true", help="only multi-turn episodes, state reuse on vs off")
+    parser.add_argument("--turns", type=int, default=6, help="--multi-turn: turns per episode")
+    parser.add_argument("--tasks", type=int, default=8, help="--multi-turn: tasks (2 samples each)")
     args = parser.parse_args()
     batches = (1, 8) if args.quick else (1, 8, 32)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -122,8 +203,12 @@ def main() -> int:
     torch.set_num_threads(1)  # the same single thread vLLM gets on this machine
     work = Path(tempfile.mkdtemp(prefix="k3rl-bench-"))
     init_main([str(ROOT / "configs/model/tiny.yaml"), str(work / "k3")])
-    qwen_dir = build_tiny_qwen3(work / "qwen3")
     k3 = TorchEngine.from_pretrained(work / "k3", seed=0)
+    if args.multi_turn:
+        mt_tokens = args.max_tokens or 24
+        print_multi_turn(multi_turn(k3, args.tasks, 2, args.turns, mt_tokens), mt_tokens)
+        return 0
+    qwen_dir = build_tiny_qwen3(work / "qwen3")
     k3_naive = TorchEngine.from_pretrained(work / "k3", seed=0)
     set_expert_impl(k3_naive.model, "naive")
     qwen_native = TorchEngine.from_pretrained(qwen_dir, seed=0)

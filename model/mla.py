@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attn_res import RMSNorm
 from model.cache import StepInfo
@@ -127,32 +128,44 @@ class MultiheadLatentAttention(nn.Module):
     def _attend_blocked(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
         """The absorbed form, `rows` queries at a time, each block over the keys up to its last query. A block
         of real tokens masks only what it must — the padding keys at the front, its own future in the diagonal
-        tile — instead of building a [t, keys] mask; a block holding padding queries takes the full mask."""
+        tile — instead of building a [t, keys] mask; a block holding padding queries takes the full mask.
+        Under grad (segment-recurrent training, rl/segments.py) each block is recomputed in backward, so the
+        scores of one block at a time are held, never a segment × sequence matrix."""
         B, S, D = latent.shape
         T, H = q_nope.shape[1], self.num_heads
         w_uk, w_uv = self._absorbed_weights()
         q = torch.cat([torch.einsum("bthn,hnl->bthl", q_nope, w_uk), q_pe], dim=-1) * self.scale  # [B, T, H, D]
-        values = latent[..., : self.kv_rank]  # [B, S, Lkv]
         rows = max(1, SCORE_BUDGET // (B * H * S))
-        dt = torch.promote_types(latent.dtype, torch.float32)
-        pad_end = int(step.pad.max())  # keys before this may be padding (of some row)
-        pad_keys = torch.arange(pad_end, device=latent.device)[None, :] < step.pad[:, None]  # [B, pad_end]
-        future = torch.ones(rows, rows, dtype=torch.bool, device=latent.device).triu_(1)  # [t, t]
-        out = latent.new_empty(B, T, H, self.kv_rank)
+        blocks = []
         for lo in range(0, T, rows):
             hi = min(T, lo + rows)
-            t, keys = hi - lo, step.start + hi  # causal: no query of this block sees beyond its last token
-            scores = torch.matmul(q[:, lo:hi].flatten(1, 2), latent[:, :keys].transpose(1, 2))  # [B, t·H, keys]
-            scores = scores.to(dt).view(B, t, H, keys)
-            if step.start + lo >= pad_end:  # every query is a real token
-                if pad_end:
-                    scores[..., :pad_end].masked_fill_(pad_keys[:, None, None, :], float("-inf"))
-                scores[..., keys - t:].masked_fill_(future[:t, None, :t], float("-inf"))
+            if torch.is_grad_enabled():
+                blocks.append(checkpoint(self._attend_block, q[:, lo:hi], latent[:, :step.start + hi], step, lo,
+                                         use_reentrant=False))
             else:
-                scores.masked_fill_(~step.attn_mask(lo, hi, keys).transpose(1, 2), float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(latent.dtype).flatten(1, 2)  # [B, t·H, keys]
-            out[:, lo:hi] = torch.matmul(probs, values[:, :keys]).view(B, t, H, self.kv_rank)
+                blocks.append(self._attend_block(q[:, lo:hi], latent[:, :step.start + hi], step, lo))
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)  # [B, T, H, Lkv]
         return torch.einsum("bthl,hvl->bthv", out, w_uv)  # [B, T, H, dv]
+
+    def _attend_block(self, q: torch.Tensor, latent: torch.Tensor, step: StepInfo, lo: int) -> torch.Tensor:
+        """Queries lo..lo+t−1 of the step, q [B, t, H, D] (absorbed, scaled), over latent [B, keys, D] = every key
+        up to the block's last query → [B, t, H, Lkv]."""
+        B, t, H, _ = q.shape
+        keys = latent.shape[1]
+        dt = torch.promote_types(latent.dtype, torch.float32)
+        pad_end = int(step.pad.max())  # keys before this may be padding (of some row)
+        scores = torch.matmul(q.flatten(1, 2), latent.transpose(1, 2))  # [B, t·H, keys]
+        scores = scores.to(dt).view(B, t, H, keys)
+        if step.start + lo >= pad_end:  # every query is a real token
+            if pad_end:
+                pad_keys = torch.arange(pad_end, device=latent.device)[None, :] < step.pad[:, None]  # [B, pad_end]
+                scores[..., :pad_end].masked_fill_(pad_keys[:, None, None, :], float("-inf"))
+            future = torch.ones(t, t, dtype=torch.bool, device=latent.device).triu_(1)  # [t, t]
+            scores[..., keys - t:].masked_fill_(future[:, None, :], float("-inf"))
+        else:
+            scores.masked_fill_(~step.attn_mask(lo, lo + t, keys).transpose(1, 2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(latent.dtype).flatten(1, 2)  # [B, t·H, keys]
+        return torch.matmul(probs, latent[..., : self.kv_rank]).view(B, t, H, self.kv_rank)
 
     def _attend_absorbed(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
         B, S, D = latent.shape

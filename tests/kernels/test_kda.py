@@ -356,15 +356,18 @@ def test_gate_formulas():
     z = f.view(B, T, H, K) + dt_bias.view(H, K)
     a = A_log.exp().view(H, 1)
     g = kda_gate(f, A_log, dt_bias)
-    assert g.shape == (B, T, H, K) and g.dtype == torch.float32
-    torch.testing.assert_close(g.double(), -a * torch.log1p(torch.exp(z)), rtol=1e-5, atol=1e-6)
+    assert g.shape == (B, T, H, K) and g.dtype == torch.float64  # float64 in, float64 gate (exactness tests)
+    torch.testing.assert_close(g, -a * torch.log1p(torch.exp(z)), rtol=1e-12, atol=1e-12)
     gb = kda_gate(f.view(B, T, H, K), A_log, dt_bias, lower_bound=-2.5)
-    torch.testing.assert_close(gb.double(), -2.5 * torch.sigmoid(a * z), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gb, -2.5 * torch.sigmoid(a * z), rtol=1e-12, atol=1e-12)
+    g32 = kda_gate(f.float(), A_log.float(), dt_bias.float())
+    assert g32.dtype == torch.float32
+    torch.testing.assert_close(g32.double(), g, rtol=1e-5, atol=1e-6)
     assert (gb >= -2.5).all() and (gb <= 0).all() and (g <= 0).all()
     # softplus threshold 20: identity above it
     big = kda_gate(torch.full((1, 1, 1, 2), 30.0), torch.zeros(1), None)
     assert torch.equal(big, torch.full((1, 1, 1, 2), -30.0))
-    # always float32, from bf16 inputs too
+    # at least float32: from bf16 inputs too
     assert kda_gate(f.bfloat16(), A_log, dt_bias, lower_bound=-5.0).dtype == torch.float32
 
 

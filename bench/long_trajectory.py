@@ -1,0 +1,180 @@
+"""One learner step (forward + backward) on one long trajectory: segment-recurrent (`learner.segment_tokens`,
+rl/segments.py) vs the whole sequence at once, wall time and peak resident memory, each measurement in a fresh
+process so the peaks do not mix.
+
+Models (random weights: the cost does not depend on them): the quickstart's tiny hybrid (configs/rl/quickstart.yaml:
+3 KDA + 1 gated MLA, 3.0M parameters) and, with `--kda-only`, the same model with every layer KDA (its state is
+constant in length; the hybrid's MLA layer is quadratic, so the hybrid at 1M on two CPU cores takes many hours — a
+GPU measurement). The trajectory looks like an agent's: a sampled turn of `--turn` tokens (loss mask 1) after every
+`--every` tokens of context; one GRPO step with advantage 1, fp32, AdamW.
+
+The CPU floor (docs/performance.md): this run's sgemm rate for the matmul FLOPs of the step (projections,
+experts at top-k, LM head on the loss rows, MLA attention; 4 forward-equivalents: the first pass, the recomputation
+and the backward) plus KDA's chunked recurrence at the documented 0.7 µs per token, head and layer per forward.
+
+    python bench/long_trajectory.py                                   # hybrid 16K, 64K (whole sequence at 16K)
+    python bench/long_trajectory.py --lengths 262144                  # hybrid at 256K (hours on two cores)
+    python bench/long_trajectory.py --kda-only --lengths 65536 262144 1048576 --whole-max 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KDA_FLOOR_S = 0.7e-6
+"""Seconds per token, head and KDA layer of one chunked forward on this CPU's two cores (docs/performance.md)."""
+
+
+def build_config(length: int, kda_only: bool):
+    from rl.config import load_model_config
+
+    config = load_model_config(ROOT / "configs/rl/quickstart.yaml")
+    values = config.model_config_dict()
+    values["max_position_embeddings"] = max(values["max_position_embeddings"], length + 1)
+    if kda_only:
+        n = values["num_hidden_layers"]
+        values["linear_attn_config"] |= {"kda_layers": list(range(1, n + 1)), "full_attn_layers": []}
+    return type(config)(**values)
+
+
+def trajectory(length: int, vocab: int, every: int, turn: int):
+    """`length` tokens: context with a sampled turn of `turn` tokens after every `every` (and at the end)."""
+    import numpy as np
+
+    from rollout.trajectory import Trajectory
+
+    rng = np.random.default_rng(0)
+    mask = np.zeros(length, dtype=np.uint8)
+    for end in range(every, length + every, every):
+        mask[max(0, min(end, length) - turn):min(end, length)] = 1
+    mask[:min(length - 1, 64)] = 0  # a prompt first
+    tokens = rng.integers(3, vocab, length).astype(np.int32)
+    logprobs = np.where(mask == 1, -rng.random(length), 0.0).astype(np.float32)
+    return Trajectory(tokens=tokens, loss_mask=mask, logprobs=logprobs, versions=np.where(mask == 1, 0, -1).astype(np.int32),
+                      turn_spans=np.zeros((0, 2), dtype=np.int32), prompt_len=64, group_id="g", task_id="t")
+
+
+def step_flops(config, length: int, loss_tokens: int) -> float:
+    """Matmul FLOPs of one training step (4 forward-equivalents) on one sequence."""
+    from model.modeling import K3ForCausalLM
+
+    import torch
+
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    e, k = config.num_experts, config.num_experts_per_token
+    per_token = 0.0
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or "embed_tokens" in name or "lm_head" in name or "conv1d" in name:
+            continue
+        share = k / e if ".experts." in name else 1.0
+        per_token += 2 * p.numel() * share
+    flops = per_token * length + 2 * config.hidden_size * config.vocab_size * loss_tokens
+    n_mla = config.num_hidden_layers - len(config.linear_attn_config["kda_layers"])
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    flops += n_mla * config.num_attention_heads * (length ** 2 / 2) * 2 * (width + config.kv_lora_rank)
+    return 4 * flops
+
+
+def sgemm_gflops() -> float:
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 2048 ** 3 / (time.perf_counter() - started) / 1e9
+
+
+def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: int) -> dict:
+    """One learner step in this process: seconds, peak RSS (GiB), and the floor's seconds."""
+    import torch
+
+    from model.modeling import K3ForCausalLM
+    from rl.learner import Learner, LearnerConfig
+
+    config = build_config(length, kda_only)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        K3ForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        learner = Learner(LearnerConfig(model_path=tmp, lr=1e-5, segment_tokens=segment, share_prefix=False,
+                                        micro_batch_tokens=length + 1))
+    warm = min(length, 2 * segment + 100) if segment else min(length, 4096)  # first calls of each path cost more
+    learner.train_step([trajectory(warm + 1, config.vocab_size, every, turn)], advantages=[1.0])
+    traj = trajectory(length + 1, config.vocab_size, every, turn)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    started = time.perf_counter()
+    metrics = learner.train_step([traj], advantages=[1.0])
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    assert not metrics["skipped"] and metrics["grad_norm"] > 0, metrics
+    loss_tokens = int(traj.loss_mask[1:].sum())
+    rate = sgemm_gflops()
+    lac = config.linear_attn_config
+    kda_floor = 4 * KDA_FLOOR_S * length * lac["num_heads"] * len(lac["kda_layers"])
+    floor = step_flops(config, length, loss_tokens) / (rate * 1e9) + kda_floor
+    return {"seconds": seconds, "peak_gib": peak, "before_gib": base, "floor_s": floor, "sgemm_gflops": rate,
+            "loss_tokens": loss_tokens}
+
+
+def run_child(length: int, segment: int | None, args, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(length), str(segment or 0), str(int(args.kda_only)),
+           str(args.every), str(args.turn)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"exit {out.returncode}: {tail[:80]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        length, segment, kda_only, every, turn = (int(a) for a in sys.argv[2:7])
+        print(json.dumps(measure(length, segment or None, bool(kda_only), every, turn)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
+    ap.add_argument("--segment", type=int, default=4096, help="learner.segment_tokens")
+    ap.add_argument("--kda-only", action="store_true", help="every layer KDA (constant state)")
+    ap.add_argument("--whole-max", type=int, default=16384, help="longest length also trained as one sequence")
+    ap.add_argument("--every", type=int, default=2048, help="context tokens between sampled turns")
+    ap.add_argument("--turn", type=int, default=128, help="tokens of a sampled turn (loss mask 1)")
+    ap.add_argument("--timeout", type=float, default=8 * 3600)
+    args = ap.parse_args()
+    model = "tiny KDA-only (4 KDA)" if args.kda_only else "tiny hybrid (3 KDA + 1 MLA)"
+    print(f"one learner step (GRPO, fp32, AdamW) on one trajectory, {model}; a {args.turn}-token sampled turn every "
+          f"{args.every} tokens; segment {args.segment} tokens; peak = max resident set of a fresh process", flush=True)
+    print("| tokens | path | s | tokens/s | peak RSS GiB | CPU floor s (×) | vs whole (time, peak) |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for length in args.lengths:
+        seg = run_child(length, args.segment, args, args.timeout)
+        whole = run_child(length, None, args, args.timeout) if length <= args.whole_max else None
+        for name, r in (("segmented", seg), ("whole", whole)):
+            if r is None:
+                continue
+            if "error" in r:
+                print(f"| {length:,} | {name} | {r['error']} | | | | |", flush=True)
+                continue
+            ratio = ""
+            if name == "segmented" and whole and "error" not in whole:
+                ratio = f"{r['seconds'] / whole['seconds']:.2f}×, {r['peak_gib'] / whole['peak_gib']:.2f}×"
+            print(f"| {length:,} | {name} | {r['seconds']:.1f} | {length / r['seconds']:,.0f} | {r['peak_gib']:.2f} | "
+                  f"{r['floor_s']:.1f} ({r['seconds'] / r['floor_s']:.1f}×) | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -117,6 +117,31 @@ class Policy:
         h = out.hidden_states[-1]
         return h if rows is None else h[rows]
 
+    def branch_hidden(self, prefix: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
+                      prefix_routed: Optional[torch.Tensor] = None,
+                      routed_expert_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states after the final norm of `rows` [B, T] (→ [N, d]) of B sequences that all start with
+        `prefix` [1, P] and go on with `input_ids` [B, T] (right-padded, `valid` 0 on padding): the prefix is
+        computed once and its cache repeated to the rows, one autograd graph, so gradients reaching the prefix
+        are summed over the rows (group prefix sharing, rl/segments.py). K3: its hybrid cache (routing replayed
+        with `prefix_routed` / `routed_expert_ids`); other models: their KV cache, positions continuing after P."""
+        B, T = input_ids.shape
+        P = prefix.shape[1]
+        if self.is_k3:
+            cache = self.model.new_cache(1, capacity=P + T)
+            self.model(prefix, cache=cache, routed_expert_ids=prefix_routed, logits_to_keep=1)
+            cache = cache.select(torch.zeros(B, dtype=torch.long, device=input_ids.device))
+            out = self.model(input_ids, cache=cache, routed_expert_ids=routed_expert_ids, routing_mask=valid.bool(),
+                             return_hidden_states=True, logits_to_keep=1)
+            return self.model.model.norm(out.hidden_states[rows])
+        cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(B)
+        mask = torch.cat([valid.new_ones(B, P), valid], dim=1).long()
+        positions = (P + torch.arange(T, device=input_ids.device)).expand(B, T)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, output_hidden_states=True, **self._keep)
+        return out.hidden_states[-1][rows]
+
     def selected_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024,
                           entropy: bool = False):
         """log π(targets) [N] for hidden rows [N, d] (and the entropy [N] with `entropy`)."""

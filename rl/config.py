@@ -228,8 +228,9 @@ class LearnerSettings:
     state at each boundary, the backward recomputes one segment at a time (rl/segments.py): activation memory of
     one segment, same loss and gradients, one more forward. null: whole sequences."""
     share_prefix: bool = True
-    """K3: the samples of a group share their prompt: forward and backward it once and branch from its state
-    (rl/segments.py; the prompt's tokens count once in the router statistics). Other models: ignored."""
+    """The samples of a group share their prompt: forward and backward it once and branch from its state (K3: the
+    hybrid cache, the prompt's tokens counted once in the router statistics; other models: their KV cache;
+    rl/segments.py)."""
 
 
 # Keys that moved to another section: a recipe or override that still uses one is told where it went.

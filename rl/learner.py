@@ -221,7 +221,7 @@ class Learner:
                 fwd = segments.forward(policy.model, unit, self.cfg.segment_tokens, score, keep_states=False)
             return fwd.logprobs, fwd.entropy
         if unit.prefix is not None:
-            return segments.graph_logprobs(policy.model, unit, score)
+            return segments.graph_logprobs(policy, unit, score)
         hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
                                      rows=mb.loss_mask)  # [N, d]
         return score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
@@ -239,11 +239,11 @@ class Learner:
                 r.collect_stats = c
 
     def _units(self, seqs: list[TrainSequence], share_prefix: bool) -> list[segments.Unit]:
-        """Micro-batches as units: the groups' prefix-sharing units (K3 with `share_prefix`), then the rest packed
+        """Micro-batches as units: the groups' prefix-sharing units (with `share_prefix`), then the rest packed
         whole, longest first, within `micro_batch_tokens`."""
         units: list[segments.Unit] = []
         rest = list(range(len(seqs)))
-        if share_prefix and self.policy.is_k3:
+        if share_prefix:
             shared, rest = group_prefixes(seqs, self.cfg.micro_batch_tokens, self.cfg.micro_batch_seqs)
             for P, members in shared:
                 first = seqs[members[0]]

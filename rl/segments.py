@@ -23,7 +23,8 @@ is recomputed in backward (model/mla.py), so no segment × sequence score matrix
 Group prefix sharing: the samples of a group start with the same prompt. A `Unit` is such a prefix [1, P] plus the
 members' suffixes [n, T']: the prefix runs once with batch 1, its state is repeated to the n members
 (`K3Cache.select`) and the members' gradients flow back into it summed — one autograd graph when the unit fits in a
-segment, the two passes above otherwise (the branch reduces the state gradients over the members).
+segment (for any HF model too, through its KV cache), the two passes above otherwise (K3; the branch reduces the
+state gradients over the members).
 The prefix holds no loss row (`rl/batching.py` `build_units` cuts it before the first one), and its tokens count once
 in the router statistics.
 """
@@ -120,15 +121,12 @@ def _run(model, seg: _Segment, cache: K3Cache) -> torch.Tensor:
     return model.model.norm(out.hidden_states[seg.rows])
 
 
-def graph_logprobs(model, unit: Unit, score: Scorer) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def graph_logprobs(policy, unit: Unit, score: Scorer) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log π (and entropy) of a unit's loss rows as one autograd graph: the prefix once, its state repeated to the
-    rows. For units within one segment; the caller backpropagates its loss through the result."""
+    rows (model/policy.py `Policy.branch_hidden`; K3 and HF models). For units within one segment; the caller
+    backpropagates its loss through the result."""
     mb = unit.mb
-    cache = model.new_cache(1, capacity=unit.length)
-    for seg in plan(unit, None):
-        if seg.branch:
-            cache = cache.select(torch.zeros(mb.num_seqs, dtype=torch.long, device=mb.input_ids.device))
-        hidden = _run(model, seg, cache)
+    hidden = policy.branch_hidden(unit.prefix, mb.input_ids, mb.valid, mb.loss_mask, unit.prefix_routed, mb.routed)
     return score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
 
 

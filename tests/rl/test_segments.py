@@ -145,3 +145,29 @@ def test_shared_prefix_rules():
 def test_segment_tokens_validated(k3_path):
     with pytest.raises(ValueError, match="segment_tokens"):
         LearnerConfig(model_path=str(k3_path), segment_tokens=0)
+
+
+def test_segmented_with_blocked_attention(k3_path, monkeypatch):
+    """Segments over a long past take MLA's blocked path, each query block recomputed in backward (model/mla.py)."""
+    from model import mla
+
+    calls = []
+    monkeypatch.setattr(mla, "SCORE_BUDGET", 2000)  # 1–8 queries per block
+    real = mla.MultiheadLatentAttention._attend_block
+    monkeypatch.setattr(mla.MultiheadLatentAttention, "_attend_block",
+                        lambda self, *a: calls.append(torch.is_grad_enabled()) or real(self, *a))
+    learner = make_learner(k3_path)
+    trajectories = batch()[:2]
+    segmented = step_grads(learner, trajectories, 24, False)
+    assert True in calls and False in calls  # under grad (recomputed in backward) and in the first pass
+    assert_same(segmented, step_grads(learner, trajectories, None, False))
+
+
+def test_prefix_sharing_equals_separate_hf(tiny_qwen3_dir):
+    """Any HF causal LM shares a group's prompt through its KV cache (model/policy.py `branch_hidden`)."""
+    learner = make_learner(tiny_qwen3_dir)
+    trajectories = batch()
+    shared = step_grads(learner, trajectories, None, share_prefix=True)
+    assert [u.prefix_len for u in shared[2] if u.prefix is not None] == [69]
+    # 1e-6: Qwen3's RMSNorm and RoPE compute in float32 even in a float64 model (a wrong branch is off by O(1))
+    assert_same(shared, step_grads(learner, trajectories, None, share_prefix=False), rtol=1e-6)

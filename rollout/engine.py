@@ -61,6 +61,9 @@ class Completion:
     """`stop` (EOS, a stop token or a stop string) or `length` (max_tokens)."""
     routed_experts: list | None = field(default=None, repr=False)
     """Per sampled token, the routed expert ids of each MoE layer (engines that can report them)."""
+    stale_state_tokens: int = 0
+    """Prompt tokens read from a kept decode state that older weights than this sample's computed (engines
+    that continue a stale session, rollout/sessions.py); 0 when the current weights computed the whole context."""
 
 
 @runtime_checkable

@@ -22,6 +22,12 @@ weights, is prefilled in full (counted in `stats`). `end_sessions` drops an epis
 `session_version` tells which weights computed one). HF models (`Policy.resumable` false) and
 `reuse_state=False` prefill every prompt in full.
 
+Stale states (`resume_stale`, off by default; the worker sets it for `rollout.partial_resume=keep_state`):
+a session kept across a weight update is continued instead of prefilled again, so the new turn reads
+context whose KV/recurrent state older weights computed. That is the point of keeping it (no re-prefill
+of a long paused episode) and also a mismatch with the version its tokens carry, so it is counted: per
+sample (`Completion.stale_state_tokens`) and in `stats.stale_state_tokens`.
+
 Sampling follows rollout/engine.py (the same semantics as vLLM's): logits / temperature, top-p
 truncation, one categorical draw from a seeded generator; the reported logprob is that of the
 raw model distribution. A sample stops at EOS, a stop token, a stop string (checked on the
@@ -67,7 +73,7 @@ class TorchEngine:
     """Generate with a PyTorch model in this process; see module docstring."""
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", seed: int = 0, max_batch: int = 64,
-                 prefill_tokens: int = 2048, reuse_state: bool = True):
+                 prefill_tokens: int = 2048, reuse_state: bool = True, resume_stale: bool = False):
         from model.policy import Policy
 
         self.model = model.to(device).eval()
@@ -83,6 +89,8 @@ class TorchEngine:
         self.is_k3 = self.policy.is_k3
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
         self.reuse_state = reuse_state
+        self.resume_stale = resume_stale
+        """Continue a session whose state older weights computed instead of prefilling it in full."""
         self.sessions = SessionStore()
         self.stats = PrefillStats()
 
@@ -104,7 +112,8 @@ class TorchEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      keep_sessions: bool = False) -> None:
         """Replace the weights; the kept session states are dropped unless `keep_sessions` (they keep the
-        version that computed them, `session_version`; `generate` does not resume them under other weights)."""
+        version that computed them, `session_version`; `generate` resumes them under other weights only with
+        `resume_stale`)."""
         state = self.model.state_dict()
         updates = dict(named_tensors)
         unknown = sorted(set(updates) - set(state))
@@ -161,7 +170,8 @@ class TorchEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         B, n, dev = len(prompts), params.n, self.device
-        order, logits, state = self._prompt_states(prompts, params, sessions)
+        order, logits, state, resumed = self._prompt_states(prompts, params, sessions)
+        stale = {b: kept.stale_tokens(self.version) for b, kept in resumed.items()}
         position = {b: r for r, b in enumerate(order)}
         rows = torch.tensor([position[b] for b in range(B)], device=dev).repeat_interleave(n)  # [B·n]
         logits, state = logits[rows], self._select(state, rows)
@@ -186,7 +196,7 @@ class TorchEngine:
                     keep.append(row)
             if sessions is not None and len(keep) < len(alive):
                 done = sorted(set(range(len(alive))) - set(keep))
-                self._keep_sessions(state, done, [alive[r] for r in done], prompts, tokens, sessions, n)
+                self._keep_sessions(state, done, [alive[r] for r in done], prompts, tokens, sessions, n, resumed)
             if not keep:
                 break
             if len(keep) < len(alive):
@@ -202,19 +212,23 @@ class TorchEngine:
             blank = [[-1] * len(state["route"][0, -1][0])] * state["route"].shape[2]
             for s in range(N):
                 routed[s] += [blank] * (len(tokens[s]) - len(routed[s]))
-        return [[Completion(tokens[b * n + j], logps[b * n + j], reasons[b * n + j],
-                            routed[b * n + j] or None) for j in range(n)] for b in range(B)]
+        return [[Completion(tokens[b * n + j], logps[b * n + j], reasons[b * n + j], routed[b * n + j] or None,
+                            stale.get(b, 0)) for j in range(n)] for b in range(B)]
 
     def _prompt_states(self, prompts: list[np.ndarray], params: SamplingParams,
-                       sessions: Sequence[Sequence[Hashable]] | None) -> tuple[list[int], torch.Tensor, dict]:
+                       sessions: Sequence[Sequence[Hashable]] | None
+                       ) -> tuple[list[int], torch.Tensor, dict, dict[int, Session]]:
         """Prefill the prompts — from a kept session where one continues, else in full: (the prompt of each
-        row, last-position logits [B, V], the decode state with room for `params.max_tokens` more)."""
+        row, last-position logits [B, V], the decode state with room for `params.max_tokens` more, the
+        session each resumed prompt continued)."""
         dev = self.device
         resumed: dict[int, Session] = {}
         for b, p in enumerate(prompts):
-            kept, why = (None, None) if sessions is None else self.sessions.take(sessions[b], p, self.version)
+            kept, why = (None, None) if sessions is None else \
+                self.sessions.take(sessions[b], p, self.version, stale_ok=self.resume_stale)
             if kept is not None:
                 resumed[b] = kept
+                self.stats.stale_state_tokens += kept.stale_tokens(self.version)
             elif why == "prefix":
                 self.stats.prefix_fallbacks += 1
             elif why == "version":
@@ -248,19 +262,23 @@ class TorchEngine:
             self.stats.prefilled_tokens += new * len(members)
             self.stats.reused_tokens += sum(len(k.tokens) for k in kept)
         if len(parts) == 1:
-            return parts[0]
+            return (*parts[0], resumed)
         capacity = max(len(p) for p in prompts) + params.max_tokens
         return ([b for members, _, _ in parts for b in members], torch.cat([lg for _, lg, _ in parts]),
-                self.policy.stack([st for _, _, st in parts], capacity))
+                self.policy.stack([st for _, _, st in parts], capacity), resumed)
 
     def _keep_sessions(self, state: dict, rows: list[int], samples: list[int], prompts: list[np.ndarray],
-                       tokens: list[list[int]], sessions: Sequence[Sequence[Hashable]], n: int) -> None:
+                       tokens: list[list[int]], sessions: Sequence[Sequence[Hashable]], n: int,
+                       resumed: dict[int, Session]) -> None:
         """Keep the state of finished `rows` (sample indices `samples`) under their session ids: it covers
-        the prompt and the sampled tokens but the last, which stays pending (rollout/sessions.py)."""
+        the prompt and the sampled tokens but the last, which stays pending (rollout/sessions.py); the part a
+        resumed prompt's session covered keeps the versions that computed it."""
         for row_state, s in zip(self.policy.split(state, rows), samples):
             b, j = divmod(s, n)
             consumed = np.concatenate([prompts[b], np.asarray(tokens[s][:-1], dtype=np.int64)])
-            self.sessions.put(sessions[b][j], Session(consumed, row_state, self.version))
+            before = resumed[b].computed_by if b in resumed else np.zeros(0, dtype=np.int64)
+            computed_by = np.concatenate([before, np.full(len(consumed) - len(before), self.version, dtype=np.int64)])
+            self.sessions.put(sessions[b][j], Session(consumed, row_state, self.version, computed_by))
 
     def _hits_stop(self, tokens: list[int], stops: tuple[str, ...], window: int) -> bool:
         tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)

@@ -236,6 +236,29 @@ def test_weight_reload_drops_sessions_unless_kept():
     assert len(on.sessions) == 0
 
 
+def test_resume_stale_continues_a_session_older_weights_computed():
+    """`resume_stale` (partial_resume=keep_state): a session kept across a weight update is continued, not
+    prefilled in full; its tokens that older weights computed are counted per sample and in `stats`, and still
+    on the next turn for the part of the state they computed."""
+    on, off = engines()
+    on.resume_stale = True
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    prompt = [3 + i % 50 for i in range(12)]
+    (first,) = on.generate([prompt], params, sessions=[["a"]])[0]
+    assert first.stale_state_tokens == 0
+    on.load_weights({k: v.clone() for k, v in on.model.state_dict().items()}.items(), version=1, keep_sessions=True)
+    kept = len(prompt) + len(first.token_ids) - 1  # the last sampled token was pending
+    turn2 = [next_turn(prompt, first, [9, 9])]
+    (second,) = on.generate(turn2, params, sessions=[["a"]])[0]
+    assert_same([second], off.generate(turn2, params)[0])  # the same weights: the tokens of a full prefill
+    assert second.stale_state_tokens == on.stats.stale_state_tokens == kept
+    assert on.stats.resumed_prompts == 1 and on.stats.version_fallbacks == 0 and on.stats.full_prompts == 1
+    # no update before turn 3: only the part version 0 computed is stale
+    (third,) = on.generate([next_turn(turn2[0], second, [11])], params, sessions=[["a"]])[0]
+    assert third.stale_state_tokens == kept and on.stats.stale_state_tokens == 2 * kept
+    assert on.stats.resumed_prompts == 2 and on.session_version("a") == 1
+
+
 def test_hf_model_and_reuse_off_prefill_in_full(tiny_qwen3_dir):
     """HF causal LMs keep no sessions (their KV caches are not stacked): every prompt is prefilled in full."""
     from rollout.worker import engine_settings

@@ -44,10 +44,12 @@ dropped, as above). A held group is in flight: it counts against the prefetch ca
 out twice, and if its actor dies its task is collected again; a checkpoint lists held groups' tasks
 to be collected again on resume (the episodes live only in the workers' memory). Per step:
 `episode/stale_sampled_tokens` (mean per trajectory of sampled tokens older than its newest
-version), `episode/pauses`, `rollout/held_groups`. `reprefill` (the only resume so far) prefills
-the paused context again under the new weights; `keep_state` (continue from the KV/recurrent state
-the old weights computed, and report the mismatch) is refused until an engine can continue a
-state across a weight update.
+version), `episode/pauses`, `rollout/held_groups`. `reprefill` prefills the paused context again
+under the new weights; `keep_state` (native engine, K3 models) continues from the KV/recurrent state
+the old weights computed, prefilling only the new tokens, and reports the mismatch:
+`episode/stale_state_tokens` (mean per trajectory of context tokens a turn read from a state older
+weights computed; 0 under `reprefill`). vLLM and models without session states refuse `keep_state`
+before anything starts.
 
 Failures (rl/rollout_pool.py owns the actors). A rollout actor that dies (`RayActorError` from a collection or a weight push) is
 replaced by a new actor that first receives the current weights; its tasks are collected again
@@ -111,7 +113,7 @@ from rl.metrics import METRICS_FILE, MetricsLogger, plot
 from rl.tasks import make_tasks, read_tasks, remove_training_tasks
 from rl.transcripts import write_eval_episodes
 from rl.rollout_pool import RolloutPool, WeightSyncError  # noqa: F401  (WeightSyncError: re-exported)
-from rollout.worker import KEEP_STATE_MISSING, WorkerSpec, check_engine_args
+from rollout.worker import WorkerSpec, check_engine_args, check_partial_resume
 
 
 TrainJobConfig = JobConfig
@@ -282,8 +284,11 @@ class Trainer:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"algo.name / algo.args: {e}") from None
 
-        if self.cfg.rollout.partial_resume == "keep_state":
-            raise ConfigError(KEEP_STATE_MISSING)
+        try:
+            check_partial_resume(str(self.cfg.rollout.partial_resume), str(self.cfg.rollout.engine),
+                                 dict(self.cfg.rollout.engine_args), str(rl.model_path))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             check_engine_args(str(self.cfg.rollout.engine), dict(self.cfg.rollout.engine_args))
         except ValueError as e:
@@ -437,6 +442,7 @@ class Trainer:
             "buffer/waiting_groups": float(len(self.buffer)),
             "workers/restarts": float(self.pool.restarts), "policy/version": float(self.version),
             "episode/stale_sampled_tokens": float(np.mean([t.metrics.get("stale_sampled_tokens", 0.0) for t in trajs])),
+            "episode/stale_state_tokens": float(np.mean([t.metrics.get("stale_state_tokens", 0.0) for t in trajs])),
             "episode/pauses": float(np.mean([t.metrics.get("pauses", 0.0) for t in trajs])),
             "rollout/held_groups": float(len(self.pool.held_tasks())),
         }

@@ -12,14 +12,16 @@ Partial rollouts: `run(..., max_rounds=k)` stops after k rounds and hands back e
 episode as a `PausedEpisode` (request, the environment's `Episode` with its env object, the tokens
 so far); `run(..., resume=[…])` continues them at that turn boundary. Nothing about a paused
 episode leaves the process. Its next turns are sampled by whatever weights the engine holds then
-and carry that version; the engine prefills the whole context again under those weights (the
-`reprefill` resume of rl/config.py `rollout.partial_resume`).
+and carry that version. Under `reprefill` (rl/config.py `rollout.partial_resume`) the engine prefills
+the whole context again under those weights; under `keep_state` it continues the episode's session
+state, part of which older weights computed: each trajectory counts, over its turns, the context
+tokens read from such a state (`metrics["stale_state_tokens"]`, from `Completion.stale_state_tokens`).
 
 State reuse: with an engine that keeps states (rollout/engine.py `SessionEngine`, the native engine),
 each episode is one session of the engine, and each round hands it the context as an array (no
 per-token Python list); the engine prefills only what the episode added since its last turn. The loop
-ends an episode's session when the episode ends; a paused episode keeps it (the engine drops it on a
-weight update, and the next turn is prefilled in full).
+ends an episode's session when the episode ends; a paused episode keeps it (across a weight update only
+under `keep_state`; otherwise the engine drops it and the next turn is prefilled in full).
 
 The environment sees only text; the engine sees only tokens; the loop is the one place where
 they meet.
@@ -68,6 +70,8 @@ class PausedEpisode:
     """Set by `run` once the episode has ended."""
     session: Any = field(default=None, repr=False)
     """The engine session holding this episode's decode state (engines with sessions)."""
+    stale_state_tokens: int = 0
+    """Context tokens its turns so far read from a decode state older weights computed (`keep_state`)."""
 
 
 @dataclass
@@ -195,6 +199,7 @@ class AgentLoop:
             builder, episode = p.builder, p.episode
             builder.append_sampled(completion.token_ids, completion.logprobs, self.engine.version,
                                    completion.routed_experts)
+            p.stale_state_tokens += completion.stale_state_tokens
             self.stats.generated_tokens += len(completion.token_ids)
             if completion.finish_reason == "length" and i in context_bound:
                 # The turn was cut by the context window, not by the turn budget: nothing more fits.
@@ -231,6 +236,7 @@ class AgentLoop:
         sampled = traj.versions[traj.loss_mask.astype(bool)]
         traj.metrics["stale_sampled_tokens"] = float((sampled < sampled.max()).sum()) if len(sampled) else 0.0
         traj.metrics["pauses"] = float(p.pauses)
+        traj.metrics["stale_state_tokens"] = float(p.stale_state_tokens)
         return traj
 
 _COUNTERS = {"turns", "tool_calls", "observation_tokens", "tool_seconds"}

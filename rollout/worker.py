@@ -9,7 +9,10 @@ Partial rollouts (`collect_partial`, `rollout.partial_rounds`): each call runs i
 every episode paused by earlier calls for a few rounds, returns the groups whose every episode
 has ended, and keeps the rest in memory — paused episodes and the ended trajectories of their
 groups — for its next call, which samples with the weights loaded in between. If the actor dies,
-what it held dies with it; the driver collects those tasks again.
+what it held dies with it; the driver collects those tasks again. With `partial_resume=keep_state`
+the native engine keeps the paused episodes' decode states across `load_weights` and continues them
+under the new weights (rollout/torch_engine.py `resume_stale`); with `reprefill` it drops them and
+prefills each paused context again.
 """
 
 from __future__ import annotations
@@ -54,14 +57,33 @@ class PartialCollection:
     """Group ids still held by the worker (at least one episode paused), for its next call."""
 
 
-KEEP_STATE_MISSING = ("rollout.partial_resume=keep_state is not implemented yet: it needs an engine that continues an "
-                      "episode's KV/recurrent state across a weight update (the native engine drops its session states "
-                      "on load_weights) and a report of the context tokens whose state the old weights computed; "
-                      "use reprefill")
+# What each engine sets itself from the job (the model directory, context length, seed, device, and for the
+# native engine whether a stale session state continues, from `rollout.partial_resume`).
+_SET_BY_JOB = {"model", "model_dir", "tokenizer", "max_model_len", "seed", "device", "resume_stale"}
 
 
-# What each engine sets itself from the job (the model directory, context length, seed, device).
-_SET_BY_JOB = {"model", "model_dir", "tokenizer", "max_model_len", "seed", "device"}
+def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str, Any], model_dir: str) -> None:
+    """Raise ValueError unless `partial_resume` can run on this engine and model: `keep_state` needs an engine
+    that keeps each episode's decode state across a weight update — the native one, on a K3 model, with
+    `reuse_state` on. vLLM's prefix cache is its own and cannot outlive a weight update here."""
+    import json
+    from pathlib import Path
+
+    if partial_resume not in ("reprefill", "keep_state"):
+        raise ValueError(f"rollout.partial_resume: {partial_resume!r}; choose reprefill or keep_state")
+    if partial_resume == "reprefill":
+        return
+    if engine != "torch":
+        raise ValueError(f"rollout.partial_resume=keep_state: engine {engine!r} keeps no episode state across a "
+                         f"weight update (use rollout.engine=torch, whose sessions do, or partial_resume=reprefill)")
+    if engine_args.get("reuse_state") is False:
+        raise ValueError("rollout.partial_resume=keep_state continues the native engine's session states, which "
+                         "rollout.engine_args.reuse_state=false turns off")
+    config = Path(model_dir) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type != "k3rl_k3":
+        raise ValueError(f"rollout.partial_resume=keep_state: the native engine keeps session states of K3 models "
+                         f"only; {model_dir} is {model_type!r} (use partial_resume=reprefill)")
 
 
 def engine_settings(engine: str) -> list[str]:
@@ -98,7 +120,8 @@ def build_engine(spec: WorkerSpec):
     if spec.engine == "torch":
         from rollout.torch_engine import TorchEngine
 
-        return TorchEngine.from_pretrained(spec.model_dir, device=spec.device, seed=spec.seed, **spec.engine_kwargs)
+        return TorchEngine.from_pretrained(spec.model_dir, device=spec.device, seed=spec.seed,
+                                           resume_stale=spec.partial_resume == "keep_state", **spec.engine_kwargs)
     if spec.engine == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
@@ -113,11 +136,12 @@ class RolloutWorker:
         import envs
         from rollout.agent_loop import AgentLoop
 
-        if spec.partial_resume != "reprefill":
-            raise ValueError(KEEP_STATE_MISSING if spec.partial_resume == "keep_state" else
-                             f"rollout.partial_resume: {spec.partial_resume!r}; choose reprefill or keep_state")
+        check_partial_resume(spec.partial_resume, spec.engine, spec.engine_kwargs, spec.model_dir)
         self.spec = spec
         self.engine = build_engine(spec)
+        self.keep_state = spec.partial_resume == "keep_state"
+        if self.keep_state and not self.engine.keeps_state:
+            raise ValueError("rollout.partial_resume=keep_state: this engine keeps no session states")
         tokenizer = self.engine.tokenizer  # environments that count tokens count the policy's
         self.loop = AgentLoop(self.engine, tokenizer, lambda: envs.make(spec.env, tokenizer=tokenizer, **spec.env_kwargs),
                               spec.sampling, budget=spec.budget, max_context_tokens=spec.max_context_tokens,
@@ -172,7 +196,12 @@ class RolloutWorker:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def load_weights(self, named_tensors: Iterable, version: int) -> int:
-        self.engine.load_weights(named_tensors, version)
+        """Load `version`; with keep_state the engine keeps the paused episodes' states (ended episodes have
+        dropped theirs) for their next turns to continue."""
+        if self.keep_state:
+            self.engine.load_weights(named_tensors, version, keep_sessions=True)
+        else:
+            self.engine.load_weights(named_tensors, version)
         return self.engine.version
 
     def health(self) -> dict[str, Any]:

@@ -12,13 +12,19 @@
   them to be collected again.
 - The trainer killed with SIGKILL while partial rollouts are in flight, then resumed: the tasks trained
   step by step are those of an uninterrupted run, each group once.
-- Config: `rollout.partial_resume=keep_state` is refused by name (not implemented), and so is a
-  negative `rollout.partial_rounds`.
+- `rollout.partial_resume=keep_state` on a K3 model (the native engine keeps the paused episodes' states
+  across `load_weights`): with the weights unchanged across the version bumps, the uninterrupted run's tokens
+  and logprobs for the prefilled tokens of one run, fewer than `reprefill`'s; with changed weights, every later
+  turn continues its old state (no full prefill) and reports the context tokens older weights computed
+  (`stale_state_tokens`), where `reprefill` prefills in full and reports none.
+- Config: `keep_state` with vLLM, with `reuse_state` off or on a model without session states is refused by
+  name before anything starts, and so is a negative `rollout.partial_rounds`.
 
 Multi-turn episodes from a model that knows nothing: `ScriptedTail` lets the random tiny Qwen3 sample
 the start of each turn and appends a scripted tool call; `looper_dir` is the tiny Qwen3 rewired to
 write `<tool_call>` forever (a call never closed: an error observation, so every episode runs to its
-turn budget) — the trainer's subprocess can run it as any model directory.
+turn budget) — the trainer's subprocess can run it as any model directory. The keep_state tests run the
+random tiny K3 (`k3_dir`) in float64 with every turn read as a malformed call (`no_calls`): three turns each.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import envs.tools as T
 from envs import Env, format_call, tool
 from envs.base import Budget
 from rl.buffer import TrajectoryBuffer
@@ -234,11 +241,96 @@ def test_worker_holds_groups_across_calls_and_returns_them_whole(looper_dir):
     assert w.health()["paused_groups"] == 0
 
 
-def test_keep_state_is_refused_by_name_not_faked(looper_dir):
+def test_keep_state_needs_an_engine_that_keeps_states(looper_dir):
     from rollout.worker import RolloutWorker
 
-    with pytest.raises(ValueError, match="partial_resume=keep_state is not implemented"):
+    with pytest.raises(ValueError, match="engine 'vllm' keeps no episode state"):
+        RolloutWorker(replace(looper_spec(looper_dir), engine="vllm", partial_resume="keep_state"))
+    with pytest.raises(ValueError, match="keep_state: the native engine keeps session states of K3 models only"):
         RolloutWorker(replace(looper_spec(looper_dir), partial_resume="keep_state"))
+
+
+# ---- keep_state: the native engine continues a paused episode's state across a weight update
+
+@pytest.fixture
+def no_calls(monkeypatch):
+    """Every turn is a malformed call: an error observation, and each episode runs to its turn budget."""
+    monkeypatch.setattr(T, "parse", lambda text: T.ParseError("bad_shape", "no call in this turn"))
+
+
+def k3_worker(k3_dir, partial_resume: str):
+    import torch
+
+    from rollout.worker import RolloutWorker
+
+    return RolloutWorker(replace(looper_spec(k3_dir), partial_resume=partial_resume,
+                                 engine_kwargs={"dtype": torch.float64}))
+
+
+def paused_twice(worker, weights: list) -> list[Trajectory]:
+    """Two groups of 2 run one turn per call; `weights[k]` is loaded as version k + 1 after call k + 1."""
+    assert worker.collect_partial(search_tasks([0, 1]), 2, "p/", max_rounds=1).trajectories == []
+    for version, named in enumerate(weights, 1):
+        worker.load_weights(named, version)
+        got = worker.collect_partial([], 2, "p/", max_rounds=1)
+    assert got.paused == [] and len(got.trajectories) == 4
+    return got.trajectories
+
+
+def read_stale(t: Trajectory) -> int:
+    """Context tokens older weights computed, read by turns 2 and 3 resumed after a version bump each: the
+    state kept after turn k covers the tokens up to turn k's last sampled one, which stays pending."""
+    (_, end1), (_, end2) = t.turn_spans[:2]
+    return (end1 - 1) + (end2 - 1)
+
+
+def test_keep_state_under_unchanged_weights_gives_the_uninterrupted_tokens_for_fewer_prefilled(k3_dir, no_calls):
+    reference = k3_worker(k3_dir, "reprefill")
+    whole = reference.collect(search_tasks([0, 1]), 2, "p/")
+    same = list(reference.engine.model.state_dict().items())
+    runs = {resume: k3_worker(k3_dir, resume) for resume in ("keep_state", "reprefill")}
+    got = {resume: paused_twice(w, [same, same]) for resume, w in runs.items()}
+    for trajs in got.values():
+        for a, b in zip(whole, trajs):
+            assert a.group_id == b.group_id and a.finish_reason == b.finish_reason == "truncated:max_turns"
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)  # stored in float32
+            assert turn_versions(a) == [[0]] * 3 and turn_versions(b) == [[0], [1], [2]]
+    keep, again, one_go = runs["keep_state"].engine.stats, runs["reprefill"].engine.stats, reference.engine.stats
+    # keep_state prefills what the uninterrupted run prefills: the first prompt of each group, then only new tokens
+    assert keep.prefilled_tokens == one_go.prefilled_tokens < again.prefilled_tokens
+    assert (keep.full_prompts, keep.resumed_prompts, keep.version_fallbacks) == (2, 8, 0)
+    assert (again.full_prompts, again.resumed_prompts) == (2 + 4 + 4, 0)
+    # versions moved, so the resumed states count as stale even though the weights are the same
+    assert [t.metrics["stale_state_tokens"] for t in got["keep_state"]] == [read_stale(t) for t in whole]
+    assert keep.stale_state_tokens == sum(read_stale(t) for t in whole) > 0
+    assert all(t.metrics["stale_state_tokens"] == 0 for t in whole + got["reprefill"])
+    assert one_go.stale_state_tokens == again.stale_state_tokens == 0
+
+
+def test_keep_state_under_changed_weights_continues_the_old_state_and_reports_it(k3_dir, no_calls):
+    import torch
+
+    runs = {resume: k3_worker(k3_dir, resume) for resume in ("keep_state", "reprefill")}
+    params = list(runs["reprefill"].engine.model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    updates = [[(k, v.detach() + 0.02 * torch.randn(v.shape, generator=g, dtype=v.dtype)) for k, v in params]
+               for _ in range(2)]
+    got = {resume: paused_twice(w, updates) for resume, w in runs.items()}
+    keep, again = runs["keep_state"].engine.stats, runs["reprefill"].engine.stats
+    # keep_state: no full prefill after the first turn; every later turn continues its state
+    assert (keep.full_prompts, keep.resumed_prompts, keep.version_fallbacks) == (2, 8, 0)
+    assert (again.full_prompts, again.resumed_prompts) == (10, 0)
+    assert keep.prefilled_tokens < again.prefilled_tokens
+    for k, r in zip(got["keep_state"], got["reprefill"]):
+        assert turn_versions(k) == turn_versions(r) == [[0], [1], [2]]
+        (s1, e1), (s2, _) = k.turn_spans[:2]
+        # the first turn is the same; the second starts from a state the old weights computed, unlike reprefill's
+        np.testing.assert_array_equal(k.tokens[:e1], r.tokens[:e1])
+        np.testing.assert_allclose(k.logprobs[s1:e1], r.logprobs[s1:e1], rtol=0, atol=1e-6)
+        assert abs(k.logprobs[s2] - r.logprobs[s2]) > 1e-6
+        assert k.metrics["stale_state_tokens"] == read_stale(k) > 0 and r.metrics["stale_state_tokens"] == 0
+    assert keep.stale_state_tokens == sum(read_stale(t) for t in got["keep_state"]) and again.stale_state_tokens == 0
 
 
 def spanning(group: str, turn_versions: list[int]) -> Trajectory:
@@ -266,7 +358,9 @@ def test_staleness_bound_applies_to_the_oldest_sampled_token_of_a_partial_rollou
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["rollout.partial_resume=keep_state"], "rollout.partial_resume=keep_state is not implemented"),
+    (["rollout.partial_resume=keep_state", "rollout.engine=vllm"], "engine 'vllm' keeps no episode state"),
+    (["rollout.partial_resume=keep_state", "rollout.engine_args.reuse_state=false"], "reuse_state=false"),
+    (["rollout.partial_resume=keep_state"], "session states of K3 models only"),
     (["rollout.partial_rounds=-1"], "rollout.partial_rounds: must be ≥ 0"),
     (["rollout.partial_resume=keep"], "rollout.partial_resume.*reprefill, keep_state"),
 ])
@@ -402,6 +496,7 @@ def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterru
         # every episode ran 4 turns in 4 calls; groups prefetched during an update continued under the next version
         assert all(r["episode/pauses"] == 3 for r in run[1:])
         assert any(r["episode/stale_sampled_tokens"] > 0 for r in run[1:])
+        assert all(r["episode/stale_state_tokens"] == 0 for r in run[1:])  # reprefill
     assert [[task_id(g) for g, _, _ in r["batch"]] for r in rows[1:]] == \
         [[task_id(g) for g, _, _ in r["batch"]] for r in whole[1:]]
     assert [task_id(g) for g, _, _ in rows[k + 1]["batch"]] == [t for t, _ in state["requeue"]]

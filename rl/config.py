@@ -151,8 +151,10 @@ class RolloutConfig:
     call runs its episodes to the end)."""
     partial_resume: PartialResume = PartialResume["reprefill"]
     """How a paused episode continues: `reprefill` (the new weights prefill its whole context again) or
-    `keep_state` (continue from the KV/recurrent state the old weights computed; needs an engine that continues
-    an episode's state across a weight update, which neither engine does yet: refused at start)."""
+    `keep_state` (continue from the KV/recurrent state the old weights computed, prefilling only the tokens
+    added since; the context tokens read from such a state are reported as `episode/stale_state_tokens`). Only
+    the native engine keeps an episode's state across a weight update (`engine: torch`, a K3 model,
+    `engine_args.reuse_state` on); vLLM or an HF model with `keep_state` is refused at start."""
 
 
 @dataclass

@@ -5,8 +5,10 @@ One `train_step(trajectories)` is one optimizer step:
 1. advantages per group with the configured algorithm (`Algorithm.batch_advantages`; every
    trajectory needs a `group_id`);
 2. each trajectory becomes one sequence: inputs `tokens[:-1]`, targets `tokens[1:]`, trained
-   where `loss_mask[1:]` is 1; sequences are packed whole into right-padded micro-batches whose
-   padded size B·T stays within `micro_batch_tokens`, longest first (`rl/batching.py`);
+   where `loss_mask[1:]` is 1; the samples of a group that share their prompt form a unit whose prompt is
+   computed once (`share_prefix`), the other sequences are packed whole into right-padded micro-batches
+   whose padded size B·T stays within `micro_batch_tokens`, longest first (`rl/batching.py`); a unit longer
+   than `segment_tokens` runs segment by segment with the same loss and gradients (K3, `rl/segments.py`);
 3. the loss-mask token and sequence counts are all-reduced first, so every micro-batch of every
    rank divides by the global counts (`rl/algos/base.py`); each micro-batch runs forward, the
    algorithm's loss and backward; gradients accumulate;

@@ -1,4 +1,10 @@
-"""Trajectories: masks and versions from the builder, Parquet round trip, million-token size."""
+"""Trajectories: masks and versions from the builder, Parquet round trip, million-token size; a
+1,048,576-token trajectory with routing goes through Parquet, a checkpoint of the buffer and pickle
+exactly and without per-token Python objects; files of `datasets` load and `datasets` reads ours."""
+
+import pickle
+import tracemalloc
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -50,6 +56,128 @@ def test_million_tokens_cost_a_few_megabytes(tmp_path):
     path = save_trajectories([t], tmp_path / "big.parquet")
     assert path.stat().st_size < 16 * 2**20
     assert len(load_trajectories(path)[0]) == n
+
+
+FIELDS = ("tokens", "loss_mask", "logprobs", "versions", "turn_spans", "routed_experts")
+
+
+def assert_same(a: Trajectory, b: Trajectory):
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    assert (a.prompt_len, a.reward, a.rewards, a.metrics, a.info, a.env, a.task_id, a.group_id, a.finish_reason) == \
+           (b.prompt_len, b.reward, b.rewards, b.metrics, b.info, b.env, b.task_id, b.group_id, b.finish_reason)
+
+
+def million(group_id="g0") -> Trajectory:
+    n = 1 << 20
+    rng = np.random.default_rng(1)
+    mask = (np.arange(n) >= 1000).astype(np.uint8)
+    return Trajectory(tokens=rng.integers(0, 160_000, n, dtype=np.int32), loss_mask=mask,
+                      logprobs=(-rng.random(n, dtype=np.float32)) * mask, versions=np.where(mask, 7, -1).astype(np.int32),
+                      turn_spans=np.array([[1000, n]], np.int32), prompt_len=1000, reward=0.5, rewards={"em": 0.5},
+                      env="search", task_id="t0", group_id=group_id, finish_reason="done",
+                      routed_experts=rng.integers(-1, 64, (n, 3, 2), dtype=np.int16))
+
+
+@pytest.fixture
+def warm(tmp_path):
+    """One small save and load first: pyarrow imports pandas on first use, which tracemalloc would count."""
+    load_trajectories(save_trajectories([build(routed=True)], tmp_path / "warm.parquet"))
+
+
+@contextmanager
+def no_per_token_objects():
+    """Fails when the block's Python and numpy allocations (tracemalloc) peak at 6 MiB or more: a Python
+    list of 1,048,576 items alone holds 8 MiB of pointers, a copy of the arrays 25 MiB (Arrow's own
+    buffers are not counted)."""
+    tracemalloc.start()
+    try:
+        yield
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 6 * 2**20, f"{peak / 2**20:.1f} MiB of Python objects for a 1,048,576-token trajectory"
+
+
+def test_million_tokens_parquet_round_trip_without_per_token_objects(tmp_path, warm):
+    t = million()
+    with no_per_token_objects():
+        path = save_trajectories([t], tmp_path / "big.parquet")
+    with no_per_token_objects():
+        (back,) = load_trajectories(path)
+    assert_same(t, back)
+    assert not back.tokens.flags.writeable  # a view of the Arrow buffer, as `ray.get` gives
+
+
+def test_million_tokens_buffer_checkpoint_round_trip(tmp_path, warm):
+    from rl import checkpoint as ckpt
+    from rl.buffer import TrajectoryBuffer
+
+    buffer = TrajectoryBuffer()
+    small = build(routed=True)
+    buffer.add([million("g1")])
+    buffer.add([small])
+    manager = ckpt.CheckpointManager(tmp_path / "checkpoints")
+    with no_per_token_objects():
+        with manager.begin(3) as tmp:
+            ckpt.save_trainer_state(tmp, buffer.state_dict())
+    with no_per_token_objects():
+        state = ckpt.load_trainer_state(ckpt.find_latest(tmp_path / "checkpoints"), restore_rng_state=False)
+    resumed = TrajectoryBuffer()
+    resumed.load_state_dict(state)
+    assert len(resumed) == 2 and resumed.num_trajectories == 2
+    for a, b in zip(buffer.trajectories(), resumed.trajectories()):
+        assert_same(a, b)
+
+
+def test_million_tokens_pickle_round_trip(tmp_path):
+    """Ray pickles trajectories (protocol 5, arrays out of band); loaded read-only views pickle too."""
+    t = million()
+    for traj in (t, load_trajectories(save_trajectories([t], tmp_path / "t.parquet"))[0]):
+        buffers = []
+        payload = pickle.dumps(traj, protocol=5, buffer_callback=buffers.append)
+        assert len(payload) < 4096
+        assert_same(t, pickle.loads(payload, buffers=buffers))
+        payload = pickle.dumps(traj, protocol=5)
+        assert len(payload) < 26 * 2**20
+        assert_same(t, pickle.loads(payload))
+
+
+def test_files_of_datasets_load_and_datasets_reads_ours(tmp_path):
+    """Files written by `datasets` (before pyarrow wrote them) load; `datasets` reads ours with the same features."""
+    from datasets import Dataset, load_dataset
+
+    trajs = [build(routed=True), build()]
+    old = tmp_path / "old.parquet"
+    Dataset.from_list([t.to_row() for t in trajs]).to_parquet(str(old))
+    no_routing = tmp_path / "old-no-routing.parquet"
+    Dataset.from_list([trajs[1].to_row()]).to_parquet(str(no_routing))
+    for a, b in zip(trajs, load_trajectories(old)):
+        assert_same(a, b)
+    assert_same(trajs[1], load_trajectories(no_routing)[0])
+
+    new = save_trajectories(trajs, tmp_path / "new.parquet")
+    ours = load_dataset("parquet", data_files=str(new), split="train", cache_dir=str(tmp_path / "cache"))
+    theirs = load_dataset("parquet", data_files=str(old), split="train", cache_dir=str(tmp_path / "cache"))
+    assert ours.features == theirs.features and ours.to_list() == theirs.to_list()
+    assert save_trajectories([], tmp_path / "empty.parquet") and load_trajectories(tmp_path / "empty.parquet") == []
+
+
+def test_row_groups_split_many_trajectories(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from rollout import trajectory
+
+    monkeypatch.setattr(trajectory, "_ROW_GROUP_VALUES", 60)
+    trajs = [build(routed=i % 2 == 0) for i in range(7)]
+    path = save_trajectories(trajs, tmp_path / "t.parquet")
+    assert pq.ParquetFile(path).num_row_groups > 1
+    for a, b in zip(trajs, load_trajectories(path)):
+        assert_same(a, b)
 
 
 def test_inconsistent_lengths_are_named():

@@ -127,7 +127,7 @@ def group_prefixes(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: O
 
     Sequences of one `group` sharing at least `min_prefix` positions (`shared_prefix`) form units of (prefix
     length, member indices): members longest first, as many per unit as fit `token_budget` (prefix + count ×
-    longest suffix) and `max_seqs`; each unit computes the prefix once. Returns (units, indices of the rest).
+    longest suffix; the suffixes get at least half of it) and `max_seqs`; each unit computes the prefix once. Returns (units, indices of the rest).
     """
     by_group: dict[str, list[int]] = {}
     for i, s in enumerate(seqs):
@@ -142,7 +142,10 @@ def group_prefixes(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: O
         if P < min_prefix:
             continue
         order = sorted(members, key=lambda i: (-len(seqs[i].inputs), i))
-        for idx in pack_micro_batches([len(seqs[i].inputs) - P for i in order], max(1, token_budget - P), max_seqs):
+        # the suffixes share what the prefix leaves of the budget, at least half of it (a prompt longer than the
+        # budget is trained segment by segment anyway, and alone each member would cost the whole prompt again)
+        budget = max(token_budget - P, token_budget // 2, 1)
+        for idx in pack_micro_batches([len(seqs[i].inputs) - P for i in order], budget, max_seqs):
             if len(idx) > 1:
                 units.append((P, [order[j] for j in idx]))
                 shared.update(order[j] for j in idx)

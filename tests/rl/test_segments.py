@@ -138,8 +138,10 @@ def test_shared_prefix_rules():
     assert group_prefixes([*seqs, other], token_budget=1000, min_prefix=16) == ([], [0, 1, 2])  # 5 < 16
     alone = to_train_sequence(trajectory(rng, p, 10, "h", 0.0), 0.0)  # the same prompt in another group
     assert group_prefixes([*seqs, alone], token_budget=1000, min_prefix=16) == ([(29, [1, 0])], [2])
-    units, rest = group_prefixes(seqs, token_budget=29 + 11, min_prefix=16)  # one member per unit: nothing shared
+    units, rest = group_prefixes(seqs, token_budget=2 * 11 + 1, min_prefix=16)  # one member per unit: nothing shared
     assert units == [] and rest == [0, 1]
+    # a prompt longer than the budget: the suffixes still share it, within half the budget
+    assert group_prefixes(seqs, token_budget=48, min_prefix=16) == ([(29, [1, 0])], [])  # 2 × 12 ≤ 48 // 2
 
 
 def test_segment_tokens_validated(k3_path):

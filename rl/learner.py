@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import resource
 from enum import Enum
 import time
 from dataclasses import dataclass, field
@@ -319,7 +320,8 @@ class Learner:
         `grad_norm` (before clipping), `grad_clipped`, `skipped` (0/1) with `skip_reason` (``,
         `nonfinite_loss`, `nonfinite_grad` or `empty_batch`), `version`, `lr`, the global counts
         `num_loss_tokens`, `num_seqs`, `num_tokens`, this rank's `micro_batches`, `step_time_s`,
-        `train_tokens_per_s`, and for MoE models `maxvio/<MoE module>` and `maxvio_max`.
+        `train_tokens_per_s`, `peak_rss_gib` (the peak resident memory of rank 0's process so far), and for
+        MoE models `maxvio/<MoE module>` and `maxvio_max`.
         """
         start = time.perf_counter()
         lr = self.optimizers[0].param_groups[0]["lr"]  # this step's (the schedule moves on after it)
@@ -392,7 +394,8 @@ class Learner:
         metrics.update(skipped=float(bool(skipped)), skip_reason=skipped, version=self.version,
                        lr=lr, num_loss_tokens=n[0], num_seqs=n[1],
                        num_tokens=n[2], micro_batches=micro_batches, step_time_s=elapsed,
-                       train_tokens_per_s=n[2] / elapsed if elapsed > 0 else 0.0)
+                       train_tokens_per_s=n[2] / elapsed if elapsed > 0 else 0.0,
+                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         return metrics
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:

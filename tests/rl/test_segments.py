@@ -16,14 +16,23 @@ from tests.model.k3_factory import make_config, make_model
 V = 97
 
 
-@pytest.fixture(scope="module", params=["nope", "rope"])
-def k3_path(request, tmp_path_factory):
+def _k3(tmp_path_factory, mode: str):
     """A tiny K3 (KDA, KDA, KDA, MLA; MoE from layer 2; AttnRes blocks of 2) in float64, MLA in NoPE or RoPE mode."""
-    config = make_config(num_hidden_layers=4, kda_layers=(1, 2, 3), mla_use_nope=request.param == "nope")
+    config = make_config(num_hidden_layers=4, kda_layers=(1, 2, 3), mla_use_nope=mode == "nope")
     model = make_model(config, seed=3)
-    path = tmp_path_factory.mktemp(f"seg-k3-{request.param}")
+    path = tmp_path_factory.mktemp(f"seg-k3-{mode}")
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="module", params=["nope", "rope"])
+def k3_path(request, tmp_path_factory):
+    return _k3(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def k3_nope(tmp_path_factory):
+    return _k3(tmp_path_factory, "nope")
 
 
 def trajectory(rng, prompt, response_len, group, reward, gap=None, routed=False):
@@ -83,10 +92,15 @@ def assert_same(a, b, rtol=1e-9):
         torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=rtol * scale, msg=name)
 
 
-@pytest.mark.parametrize("algo", ["grpo", "gspo"])
-def test_segmented_equals_whole(k3_path, algo, request):
-    if algo == "gspo" and "rope" in request.node.name:
-        pytest.skip("the sequence-level objective once is enough (NoPE)")
+def test_segmented_equals_whole(k3_path):
+    _segmented_equals_whole(k3_path, "grpo")
+
+
+def test_segmented_equals_whole_sequence_level_objective(k3_nope):
+    _segmented_equals_whole(k3_nope, "gspo")
+
+
+def _segmented_equals_whole(k3_path, algo):
     learner = make_learner(k3_path, algo=algo)
     trajectories = batch()
     whole = step_grads(learner, trajectories, None, share_prefix=False)
@@ -97,8 +111,8 @@ def test_segmented_equals_whole(k3_path, algo, request):
         assert segmented[3] == whole[3]  # every token counted once by the routers (the first pass is not counted)
 
 
-def test_segmented_loss_mask_skips_whole_segments(k3_path):
-    learner = make_learner(k3_path)
+def test_segmented_loss_mask_skips_whole_segments(k3_nope):
+    learner = make_learner(k3_nope)
     (t,) = [batch()[1]]
     mask = t.loss_mask[1:]
     runs = np.flatnonzero(np.diff(np.r_[0, mask, 0]))
@@ -117,8 +131,8 @@ def test_prefix_sharing_equals_separate(k3_path):
         assert_same(step_grads(learner, trajectories, seg, share_prefix=True), separate)
 
 
-def test_prefix_sharing_counts_prompt_once(k3_path):
-    learner = make_learner(k3_path)
+def test_prefix_sharing_counts_prompt_once(k3_nope):
+    learner = make_learner(k3_nope)
     trajectories = batch()
     separate = step_grads(learner, trajectories, None, share_prefix=False)[3]
     shared = step_grads(learner, trajectories, None, share_prefix=True)[3]
@@ -144,12 +158,12 @@ def test_shared_prefix_rules():
     assert group_prefixes(seqs, token_budget=48, min_prefix=16) == ([(29, [1, 0])], [])  # 2 × 12 ≤ 48 // 2
 
 
-def test_segment_tokens_validated(k3_path):
+def test_segment_tokens_validated(k3_nope):
     with pytest.raises(ValueError, match="segment_tokens"):
-        LearnerConfig(model_path=str(k3_path), segment_tokens=0)
+        LearnerConfig(model_path=str(k3_nope), segment_tokens=0)
 
 
-def test_segmented_with_blocked_attention(k3_path, monkeypatch):
+def test_segmented_with_blocked_attention(k3_nope, monkeypatch):
     """Segments over a long past take MLA's blocked path, each query block recomputed in backward (model/mla.py)."""
     from model import mla
 
@@ -158,7 +172,7 @@ def test_segmented_with_blocked_attention(k3_path, monkeypatch):
     real = mla.MultiheadLatentAttention._attend_block
     monkeypatch.setattr(mla.MultiheadLatentAttention, "_attend_block",
                         lambda self, *a: calls.append(torch.is_grad_enabled()) or real(self, *a))
-    learner = make_learner(k3_path)
+    learner = make_learner(k3_nope)
     trajectories = batch()[:2]
     segmented = step_grads(learner, trajectories, 24, False)
     assert True in calls and False in calls  # under grad (recomputed in backward) and in the first pass

@@ -134,7 +134,7 @@ class Policy:
             out = self.model(input_ids, cache=cache, routed_expert_ids=routed_expert_ids, routing_mask=valid.bool(),
                              return_hidden_states=True, logits_to_keep=1)
             return self.model.model.norm(out.hidden_states[rows])
-        cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+        cache = self.model(input_ids=prefix, use_cache=True, **self._keep).past_key_values
         cache.batch_repeat_interleave(B)
         mask = torch.cat([valid.new_ones(B, P), valid], dim=1).long()
         positions = (P + torch.arange(T, device=input_ids.device)).expand(B, T)

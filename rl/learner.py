@@ -246,7 +246,8 @@ class Learner:
         whole, longest first, within `micro_batch_tokens`."""
         units: list[segments.Unit] = []
         rest = list(range(len(seqs)))
-        if share_prefix:
+        # an HF model under gradient checkpointing drops its KV cache in training: no branch to share from
+        if share_prefix and (self.policy.is_k3 or not self.cfg.gradient_checkpointing):
             shared, rest = group_prefixes(seqs, self.cfg.micro_batch_tokens, self.cfg.micro_batch_seqs)
             for P, members in shared:
                 first = seqs[members[0]]

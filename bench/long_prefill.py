@@ -27,12 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measure(length: int, segment: int | None, kda_only: bool, batch: int) -> dict:
-    """One prefill in this process: seconds and peak RSS (GiB)."""
-    import torch
-
-    from model.modeling import K3ForCausalLM
-    from model.policy import Policy
+def tiny_config(length: int, kda_only: bool):
+    """The quickstart's tiny hybrid (or every layer KDA) with positions up to `length` (its MLA is NoPE)."""
     from rl.config import load_model_config
 
     config = load_model_config(ROOT / "configs/rl/quickstart.yaml")
@@ -41,9 +37,32 @@ def measure(length: int, segment: int | None, kda_only: bool, batch: int) -> dic
     if kda_only:
         n = values["num_hidden_layers"]
         values["linear_attn_config"] |= {"kda_layers": list(range(1, n + 1)), "full_attn_layers": []}
+    return type(config)(**values)
+
+
+def run_json_child(cmd: list[str], timeout: float) -> dict:
+    """Run one measurement in a fresh process (so peak memory does not mix); its last stdout line is JSON."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"exit {out.returncode}: {tail[:80]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(length: int, segment: int | None, kda_only: bool, batch: int) -> dict:
+    """One prefill in this process: seconds and peak RSS (GiB)."""
+    import torch
+
+    from model.modeling import K3ForCausalLM
+    from model.policy import Policy
+
+    config = tiny_config(length, kda_only)
     torch.manual_seed(0)
-    model = K3ForCausalLM(type(config)(**values)).eval()
-    ids = torch.randint(3, values["vocab_size"], (batch, length))
+    model = K3ForCausalLM(config).eval()
+    ids = torch.randint(3, config.vocab_size, (batch, length))
     mask = torch.ones_like(ids)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     started = time.perf_counter()
@@ -57,14 +76,7 @@ def measure(length: int, segment: int | None, kda_only: bool, batch: int) -> dic
 
 def run_child(length: int, segment: int | None, kda_only: bool, batch: int, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", str(length), str(segment or 0), str(int(kda_only)), str(batch)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout:.0f} s"}
-    if out.returncode != 0:
-        tail = (out.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"exit {out.returncode}: {tail[:80]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_child(cmd, timeout)
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,20 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from long_prefill import run_json_child, tiny_config  # noqa: E402  (bench/, this script's directory)
+
 KDA_FLOOR_S = 0.7e-6
 """Seconds per token, head and KDA layer of one chunked forward on this CPU's two cores (docs/performance.md)."""
-
-
-def build_config(length: int, kda_only: bool):
-    from rl.config import load_model_config
-
-    config = load_model_config(ROOT / "configs/rl/quickstart.yaml")
-    values = config.model_config_dict()
-    values["max_position_embeddings"] = max(values["max_position_embeddings"], length + 1)
-    if kda_only:
-        n = values["num_hidden_layers"]
-        values["linear_attn_config"] |= {"kda_layers": list(range(1, n + 1)), "full_attn_layers": []}
-    return type(config)(**values)
 
 
 def trajectory(length: int, vocab: int, every: int, turn: int):
@@ -104,7 +93,7 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     from model.modeling import K3ForCausalLM
     from rl.learner import Learner, LearnerConfig
 
-    config = build_config(length, kda_only)
+    config = tiny_config(length, kda_only)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         K3ForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
@@ -131,14 +120,7 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
 def run_child(length: int, segment: int | None, args, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", str(length), str(segment or 0), str(int(args.kda_only)),
            str(args.every), str(args.turn)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout:.0f} s"}
-    if out.returncode != 0:
-        tail = (out.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"exit {out.returncode}: {tail[:80]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_child(cmd, timeout)
 
 
 def main() -> None:

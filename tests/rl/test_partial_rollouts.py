@@ -29,10 +29,8 @@ random tiny K3 (`k3_dir`) in float64 with every turn read as a malformed call (`
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -48,35 +46,9 @@ from rl.metrics import read_metrics
 from rollout.agent_loop import AgentLoop, EpisodeRequest, PausedEpisode
 from rollout.engine import SamplingParams
 from rollout.trajectory import Trajectory, TrajectoryBuilder
-from tests.rl.test_trainer import (REPO, child_env, make_task, overrides, step_lines,  # noqa: F401 (task_files)
+from tests.rollout.test_agent_loop import Calc
+from tests.rl.test_trainer import (REPO, child_env, kill_after_a_checkpoint, make_task, overrides, step_lines,  # noqa: F401 (task_files)
                                    task_files, write_config)
-
-
-class Calc(Env):
-    """Add numbers with a tool, then answer."""
-
-    def reset(self, task):
-        self.target = task["a"] + task["b"]
-        return f"What is {task['a']} + {task['b']}?"
-
-    @tool
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: first addend
-            b: second addend
-        """
-        return a + b
-
-    @tool(terminal=True)
-    def answer(self, value: int) -> float:
-        """Give the final answer.
-
-        Args:
-            value: the sum
-        """
-        return float(value == self.target)
 
 
 CALL = format_call("add", {"a": 2, "b": 3})
@@ -455,25 +427,7 @@ def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterru
     address = ray_cluster.get_runtime_context().gcs_address
     config = write_config(tmp_path / "job.yaml", items("killed") + [f"ray.address={address}"])
     run_dir = tmp_path / "runs" / "killed"
-    root = run_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "rl.trainer", str(config)]
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-
-        def past_checkpoint() -> bool:
-            saved = ckpt.list_checkpoints(root)
-            return bool(saved) and any(step > saved[-1][0] for step in step_lines(run_dir))
-
-        deadline = time.time() + 150
-        while not past_checkpoint() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    first_log = (tmp_path / "first.log").read_text()
-    assert proc.returncode == -signal.SIGKILL, first_log[-3000:]
-    latest = ckpt.find_latest(root)
-    assert latest is not None, first_log[-3000:]
-    state = ckpt.load_trainer_state(latest, restore_rng_state=False)
+    _, state = kill_after_a_checkpoint(config, run_dir, tmp_path / "first.log")
     k = state["step"]
     assert k < 6, "the run finished before it could be killed; make the steps longer"
     # at the checkpoint, the groups prefetched during the step's update were paused on the worker: their
@@ -481,8 +435,8 @@ def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterru
     assert len(state["requeue"]) == 2
     before = {r["step"]: r for r in read_metrics(run_dir) if r["step"] <= k}
 
-    resumed = subprocess.run(cmd + ["rl.resume=true"], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                             timeout=240)
+    resumed = subprocess.run([sys.executable, "-m", "rl.trainer", str(config), "rl.resume=true"], cwd=REPO,
+                             env=child_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [r["step"] for r in whole] == [0, 1, 2, 3, 4, 5, 6]

@@ -444,26 +444,7 @@ def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3
     config = write_config(tmp_path / "job.yaml", items)
     run_dir = tmp_path / "runs" / "killed"
     root = run_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "rl.trainer", str(config)]
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-
-    def past_checkpoint() -> bool:
-        """A checkpoint exists and a later step is already logged (so resume must cut metrics.jsonl back)."""
-        saved = ckpt.list_checkpoints(root)
-        return bool(saved) and any(step > saved[-1][0] for step in step_lines(run_dir))
-
-    deadline = time.time() + 150
-    while not past_checkpoint() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    log.close()
-    first_log = (tmp_path / "first.log").read_text()
-    assert proc.returncode == -signal.SIGKILL, first_log[-3000:]
-    latest = ckpt.find_latest(root)
-    assert latest is not None, first_log[-3000:]
-    state = ckpt.load_trainer_state(latest, restore_rng_state=False)
+    latest, state = kill_after_a_checkpoint(config, run_dir, tmp_path / "first.log")
     k = state["step"]
     assert k < 6, "the run finished before it could be killed; make the steps longer"
     unconsumed = Counter(t.group_id for t in state["unconsumed"])
@@ -473,8 +454,8 @@ def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3
     assert max(r["step"] for r in logged) > k, "no step after the checkpoint was logged before the kill"
     before = {r["step"]: r for r in logged if r["step"] <= k}
 
-    resumed = subprocess.run(cmd + ["rl.resume=true"], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                             timeout=240)
+    resumed = subprocess.run([sys.executable, "-m", "rl.trainer", str(config), "rl.resume=true"], cwd=REPO,
+                             env=child_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {latest}" in resumed.stdout
     rows = read_metrics(run_dir)
@@ -549,3 +530,29 @@ def test_short_run_with_vllm_engine(ray_cluster, tiny_qwen3_dir, task_files, tmp
     assert [r["step"] for r in rows] == [1, 2] and seen == [[1], [2]]
     assert rows[0]["train/mismatch_kl"] < 1e-3
     assert all(r["episode/tokens"] > 0 for r in rows)
+
+
+def kill_after_a_checkpoint(config: Path, run_dir: Path, log_path: Path) -> tuple[Path, dict]:
+    """Start `python -m rl.trainer config`, kill -9 it once a checkpoint exists and a later step is already
+    logged (so resume must cut metrics.jsonl back); the newest checkpoint and its trainer state."""
+    from rl import checkpoint as ckpt
+
+    root = run_dir / "checkpoints"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rl.trainer", str(config)], cwd=REPO, env=child_env(),
+                                stdout=log, stderr=subprocess.STDOUT)
+
+        def past_checkpoint() -> bool:
+            saved = ckpt.list_checkpoints(root)
+            return bool(saved) and any(step > saved[-1][0] for step in step_lines(run_dir))
+
+        deadline = time.time() + 150
+        while not past_checkpoint() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    first_log = log_path.read_text()
+    assert proc.returncode == -signal.SIGKILL, first_log[-3000:]
+    latest = ckpt.find_latest(root)
+    assert latest is not None, first_log[-3000:]
+    return latest, ckpt.load_trainer_state(latest, restore_rng_state=False)

@@ -40,11 +40,27 @@ class TrainSequence:
     """[n, L, k] int16 routing of each input token (-1: not recorded), or None."""
     group: str = ""
     """The trajectory's `group_id` (samples of one task: candidates for a shared prefix)."""
+    positions: Optional[np.ndarray] = None
+    """[n] int positions of the inputs when several documents are packed in the sequence (restarting at 0 at each
+    document's first token), or None: one document."""
 
     def tail(self, start: int) -> "TrainSequence":
         """The positions from `start` on (what is left after a shared prefix)."""
-        return TrainSequence(self.inputs[start:], self.targets[start:], self.mask[start:], self.behaviour[start:],
-                             self.advantage, None if self.routed is None else self.routed[start:], self.group)
+        return self.piece(start, len(self.inputs))
+
+    def piece(self, start: int, end: int) -> "TrainSequence":
+        """Positions [start, end) as a sequence of their own."""
+        cut = slice(start, end)
+        return TrainSequence(self.inputs[cut], self.targets[cut], self.mask[cut], self.behaviour[cut], self.advantage,
+                             None if self.routed is None else self.routed[cut], self.group,
+                             None if self.positions is None else self.positions[cut])
+
+    def document_starts(self) -> np.ndarray:
+        """Where each packed document starts ([0] for one document)."""
+        if self.positions is None or len(self.positions) == 0:
+            return np.zeros(1, dtype=np.int64)
+        restart = np.flatnonzero(self.positions[1:] != self.positions[:-1] + 1) + 1
+        return np.concatenate([[0], restart]).astype(np.int64)
 
 
 @dataclass
@@ -67,6 +83,8 @@ class MicroBatch:
     """[N] int64 in [0, B)."""
     routed: Optional[torch.Tensor]
     """[B, T, L, k] int64 routing to replay (-1: route yourself), or None."""
+    position_ids: Optional[torch.Tensor] = None
+    """[B, T] int64 positions of packed documents (padding continues the count), or None: one document per row."""
 
     @property
     def num_seqs(self) -> int:
@@ -78,11 +96,54 @@ def to_train_sequence(trajectory: Any, advantage: float) -> Optional[TrainSequen
     if len(trajectory.tokens) < 2 or not trajectory.loss_mask[1:].any():
         return None
     routed = trajectory.routed_experts
+    positions = getattr(trajectory, "position_ids", None)
+    if positions is not None:
+        positions = np.asarray(positions[:-1], dtype=np.int64)
+        if len(positions) and positions[0] != 0:
+            raise ValueError(f"Trajectory.position_ids must start at 0, got {positions[0]}")
+        if not np.all((positions[1:] == positions[:-1] + 1) | (positions[1:] == 0)):
+            raise ValueError("Trajectory.position_ids must count up by 1 and restart at 0 at each packed document")
+        if (positions[1:] == positions[:-1] + 1).all():
+            positions = None  # one document
     return TrainSequence(inputs=np.asarray(trajectory.tokens[:-1]), targets=np.asarray(trajectory.tokens[1:]),
                          mask=np.asarray(trajectory.loss_mask[1:], dtype=bool),
                          behaviour=np.asarray(trajectory.logprobs[1:], dtype=np.float32),
                          advantage=float(advantage), routed=None if routed is None else np.asarray(routed[:-1]),
-                         group=str(trajectory.group_id or ""))
+                         group=str(trajectory.group_id or ""), positions=positions)
+
+
+def split_documents(seq: TrainSequence, max_len: int) -> list[TrainSequence]:
+    """A packed sequence cut for segment-recurrent training (rl/segments.py, which runs one document per row):
+    every document longer than `max_len` alone (positions None), the shorter ones packed again, in order, into
+    sequences of at most `max_len` positions. Training on the pieces equals training on the packed sequence (each
+    document is computed as if alone either way, and a document's last input, which would predict the next
+    document's first token, is never trained). Pieces without a loss row are dropped."""
+    starts = seq.document_starts().tolist() + [len(seq.inputs)]
+    pieces: list[TrainSequence] = []
+    run: list[tuple[int, int]] = []  # consecutive short documents packed together
+
+    def flush():
+        if run:
+            piece = seq.piece(run[0][0], run[-1][1])
+            if len(run) == 1:
+                piece.positions = None
+            pieces.append(piece)
+            run.clear()
+
+    for a, b in zip(starts[:-1], starts[1:]):
+        if not seq.mask[a:b].any():
+            continue
+        if b - a > max_len:
+            flush()
+            piece = seq.piece(a, b)
+            piece.positions = None
+            pieces.append(piece)
+        else:
+            if run and (b - run[0][0] > max_len or run[-1][1] != a):
+                flush()
+            run.append((a, b))
+    flush()
+    return pieces
 
 
 def pack_micro_batches(lengths: Sequence[int], token_budget: int, max_seqs: Optional[int] = None) -> list[list[int]]:
@@ -131,7 +192,7 @@ def group_prefixes(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: O
     """
     by_group: dict[str, list[int]] = {}
     for i, s in enumerate(seqs):
-        if s.group:
+        if s.group and s.positions is None:
             by_group.setdefault(s.group, []).append(i)
     units: list[tuple[int, list[int]]] = []
     shared: set[int] = set()
@@ -164,9 +225,14 @@ def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Opti
     adv = np.zeros((B, T), dtype=np.float32)
     recorded = routing_shape is not None and any(s.routed is not None for s in seqs)
     routed = np.full((B, T, *routing_shape), -1, dtype=np.int64) if recorded else None
+    packed = any(s.positions is not None for s in seqs)
+    positions = np.broadcast_to(np.arange(T), (B, T)).copy() if packed else None  # [B, T]
     for b, s in enumerate(seqs):
         n = len(s.inputs)
         ids[b, :n], valid[b, :n], mask[b, :n] = s.inputs, True, s.mask
+        if packed and s.positions is not None:
+            positions[b, :n] = s.positions
+            positions[b, n:] = s.positions[-1] + 1 + np.arange(T - n)  # padding continues the last document
         targets[b, :n], behaviour[b, :n], adv[b, :n] = s.targets, s.behaviour, s.advantage
         if routed is not None and s.routed is not None:
             if s.routed.shape[1:] != routing_shape:
@@ -180,8 +246,9 @@ def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Opti
 
     return MicroBatch(input_ids=t(ids), valid=t(valid), loss_mask=t(mask), targets=t(targets[mask]),
                       behaviour=t(behaviour[mask]), advantages=t(adv[mask]), seq_ids=t(rows[mask]),
-                      routed=None if routed is None else t(routed))
+                      routed=None if routed is None else t(routed),
+                      position_ids=None if positions is None else t(positions))
 
 
 __all__ = ["MicroBatch", "TrainSequence", "collate", "group_prefixes", "pack_micro_batches", "shared_prefix",
-           "to_train_sequence"]
+           "split_documents", "to_train_sequence"]

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("rl.trainer:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
     "eval": ("rl.longctx_eval:main", "eval CONFIG [key=value…]: long-context evidence retrieval, families × lengths × "
                                      "servings, with oracle and closed-book baselines"),
+    "pretrain": ("rl.pretrain:main", "pretrain CONFIG [key=value…] [--plan]: staged pretraining, the context climb "
+                 "(e.g. 512 → 32K on CPU, 8K → 1M in the reference recipe) on the RL learner"),
     "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (the learner, nll objective)"),
     "params": ("model.cli:params_main", "params CONFIG [key=value…] [--json]: total and active parameters by component"),
     "init": ("model.cli:init_main", "init CONFIG OUT_DIR [key=value…]: random-init K3 model (+ tokenizer) as an HF dir"),

@@ -73,7 +73,7 @@ DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "floa
 """The learner's parameter dtype."""
 PartialResume = StrEnum("PartialResume", {"reprefill": "reprefill", "keep_state": "keep_state"})
 """How a paused episode continues under new weights (`rollout.partial_resume`)."""
-LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_warmup", "linear", "cosine")})
+LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_warmup", "linear", "cosine", "wsd")})
 """The learning-rate schedule over optimizer steps (transformers' schedulers of these names; rl/optim.py)."""
 
 
@@ -216,13 +216,18 @@ class LearnerSettings:
     """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
     parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
     lr_scheduler: LRSchedule = LRSchedule["constant"]
-    """`constant`, `constant_with_warmup`, `linear` or `cosine` (both decay to 0 at `total_steps`), over
-    optimizer steps (a skipped step does not advance it). Like transformers, step k uses the factor of k,
-    so a warmup's first step has learning rate 0."""
+    """`constant`, `constant_with_warmup`, `linear` or `cosine` (both decay to `min_lr_ratio` × lr at
+    `total_steps`), or `wsd` (warmup, stable, then a cosine decay over the last `decay_steps`), over optimizer
+    steps (a skipped step does not advance it). Like transformers, step k uses the factor of k, so a warmup's
+    first step has learning rate 0."""
     warmup_steps: int = 0
     """Linear warmup from 0 to `lr` over this many steps (not for `constant`)."""
     total_steps: Optional[int] = None
     """Steps `linear` and `cosine` decay over; null: the job's step count (`rl.steps`, or the SFT run's steps)."""
+    decay_steps: int = 0
+    """`wsd`: the last steps, which decay the learning rate."""
+    min_lr_ratio: float = 0.0
+    """`cosine` and `wsd`: the learning rate they decay to, as a fraction of `lr`."""
     micro_batch_seqs: Optional[int] = None
     """At most this many sequences per micro-batch besides the token budget; null: no limit."""
     segment_tokens: Optional[int] = None

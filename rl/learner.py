@@ -75,7 +75,7 @@ from rl import parallel
 from rl.algos import get_algo
 from rl.algos.base import Algorithm, LossInputs
 from rl import segments
-from rl.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, to_train_sequence
+from rl.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, split_documents, to_train_sequence
 from rl.config import LearnerSettings
 from model.hf_names import stack_experts
 from model.policy import Policy, load_policy
@@ -100,6 +100,9 @@ class LearnerConfig(LearnerSettings):
     device: str = "cpu"
     """`cpu`, `cuda` (the GPU Ray gives the actor), or `cuda:<i>`."""
     seed: int = 0
+    rope_theta: Optional[float] = None
+    """RoPE base of the model's MLA layers from now on (a staged pretraining stage, rl/pretrain.py; saved with
+    the model's config); null: the model's own. Only a K3 model with `mla_use_nope: false` takes one."""
 
     def __post_init__(self):
         if self.optimizer not in ("adamw", "muon"):
@@ -110,13 +113,19 @@ class LearnerConfig(LearnerSettings):
             raise ValueError("micro_batch_tokens and logprob_chunk_size must be ≥ 1")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm: must be ≥ 0, got {self.max_grad_norm}")
-        if str(self.lr_scheduler) not in ("constant", "constant_with_warmup", "linear", "cosine"):
+        if str(self.lr_scheduler) not in ("constant", "constant_with_warmup", "linear", "cosine", "wsd"):
             raise ValueError(f"lr_scheduler: {self.lr_scheduler!r} is not one of constant, constant_with_warmup, "
-                             f"linear, cosine")
+                             f"linear, cosine, wsd")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if str(self.lr_scheduler) == "wsd" and not (self.total_steps and 0 <= self.decay_steps <= self.total_steps
+                                                    and self.warmup_steps + self.decay_steps <= self.total_steps):
+            raise ValueError(f"wsd: warmup_steps {self.warmup_steps} + decay_steps {self.decay_steps} must fit in "
+                             f"total_steps {self.total_steps}")
         if self.warmup_steps < 0 or (self.warmup_steps and str(self.lr_scheduler) == "constant"):
             raise ValueError(f"warmup_steps: {self.warmup_steps} with lr_scheduler {self.lr_scheduler!r} (`constant` "
                              f"has no warmup: use constant_with_warmup)")
-        if str(self.lr_scheduler) in ("linear", "cosine") and not (self.total_steps and self.total_steps > 0):
+        if str(self.lr_scheduler) in ("linear", "cosine", "wsd") and not (self.total_steps and self.total_steps > 0):
             raise ValueError(f"total_steps: lr_scheduler {self.lr_scheduler!r} decays over total_steps, got "
                              f"{self.total_steps}")
         if self.segment_tokens is not None and self.segment_tokens < 1:
@@ -172,6 +181,8 @@ class Learner:
         self.algo = get_algo(cfg.algo, **dict(cfg.algo_args))
         self.policy = load_policy(cfg.model_path, DTYPES[cfg.dtype], self.device)
         self.model = self.policy.model
+        if cfg.rope_theta is not None:
+            set_rope_theta(self.model, cfg.rope_theta)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
@@ -226,7 +237,7 @@ class Learner:
         if unit.prefix is not None:
             return segments.graph_logprobs(policy, unit, score)
         hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
-                                     rows=mb.loss_mask)  # [N, d]
+                                     rows=mb.loss_mask, position_ids=mb.position_ids)  # [N, d]
         return score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
 
     @contextlib.contextmanager
@@ -241,9 +252,18 @@ class Learner:
             for r, c in zip(self._routers, before):
                 r.collect_stats = c
 
+    def _pieces(self, seq: TrainSequence) -> list[TrainSequence]:
+        """A sequence as the learner runs it: a packed sequence (several documents) longer than a segment is cut
+        into its documents (rl/batching.py `split_documents`), since segments run one document per row."""
+        if seq.positions is None or not self.policy.is_k3 or not self.cfg.segment_tokens or (
+                len(seq.inputs) <= self.cfg.segment_tokens):
+            return [seq]
+        return split_documents(seq, self.cfg.segment_tokens)
+
     def _units(self, seqs: list[TrainSequence], share_prefix: bool) -> list[segments.Unit]:
         """Micro-batches as units: the groups' prefix-sharing units (with `share_prefix`), then the rest packed
         whole, longest first, within `micro_batch_tokens`."""
+        seqs = [piece for s in seqs for piece in self._pieces(s)]
         units: list[segments.Unit] = []
         rest = list(range(len(seqs)))
         # an HF model under gradient checkpointing drops its KV cache in training: no branch to share from
@@ -267,18 +287,25 @@ class Learner:
         """log π(token) of each trajectory's loss-mask tokens (after the first) under the current
         weights, [n_i] float64 each, in trajectory order; routing replayed as in training, and not
         counted in the router-balancing statistics."""
-        prepared = [to_train_sequence(t, 0.0) for t in trajectories]
-        out = [np.zeros(0) for _ in trajectories]
-        live = [i for i, s in enumerate(prepared) if s is not None]
+        # every trajectory's pieces (one, or its documents when packed and longer than a segment), in order
+        pieces, owner = [], []
+        for i, s in enumerate(to_train_sequence(t, 0.0) for t in trajectories):
+            for piece in ([] if s is None else self._pieces(s)):
+                pieces.append(piece)
+                owner.append(i)
+        parts: list[list[np.ndarray]] = [[] for _ in pieces]
         with self._router_stats(False):
-            for idx in pack_micro_batches([len(prepared[i].inputs) for i in live], self.cfg.micro_batch_tokens,
+            for idx in pack_micro_batches([len(p.inputs) for p in pieces], self.cfg.micro_batch_tokens,
                                           self.cfg.micro_batch_seqs):
-                unit = segments.Unit(collate([prepared[live[j]] for j in idx], self.device, self._replay_shape))
+                unit = segments.Unit(collate([pieces[j] for j in idx], self.device, self._replay_shape))
                 logp, _ = self.logprobs(self.policy, unit)
                 per_seq = torch.bincount(unit.mb.seq_ids, minlength=unit.mb.num_seqs).tolist()
                 for j, part in zip(idx, logp.double().cpu().split(per_seq)):
-                    out[live[j]] = part.numpy()
-        return out
+                    parts[j] = part.numpy()
+        out: list[list[np.ndarray]] = [[] for _ in trajectories]
+        for i, part in zip(owner, parts):
+            out[i].append(part)
+        return [np.concatenate(p) if p else np.zeros(0) for p in out]
 
     def _micro_batch(self, unit: segments.Unit, n_tokens: float, n_seqs: float) -> tuple[torch.Tensor, dict]:
         """Forward, loss and backward of one unit (gradients accumulate). A unit longer than a segment runs the two
@@ -431,6 +458,33 @@ class Learner:
         with ckpt.atomic_dir(path, version=self.version) as tmp:
             self.save_into(tmp)
 
+    def load_optimizer(self, path: str | Path) -> None:
+        """Take the optimizer moments of another run's checkpoint (a staged pretraining hand-off) and keep this
+        learner's own hyperparameters (learning rate, schedule from step `version`, weight decay, betas)."""
+        mine = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers]
+        path = Path(path)
+        ckpt.verify(path)
+        try:
+            state = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
+        except Exception as e:
+            raise ckpt.CorruptCheckpointError(f"{path}: cannot read {OPTIMIZER_FILE} ({type(e).__name__}: {e})") from e
+        self._load_optimizer_state(path, state)
+        for opt, groups in zip(self.optimizers, mine):
+            for group, own in zip(opt.param_groups, groups):
+                group.update(own)
+        restore_schedulers(self.schedulers, self.version)
+
+    def _load_optimizer_state(self, path: Path, state: dict) -> None:
+        if state.get("optimizer") != self.cfg.optimizer or len(state["optimizers"]) != len(self.optimizers):
+            raise ckpt.CheckpointError(f"{path}: saved with optimizer {state.get('optimizer')!r}, this learner "
+                                       f"uses {self.cfg.optimizer!r}")
+        try:
+            for opt, sd in zip(self.optimizers, state["optimizers"]):
+                opt.load_state_dict(sd)
+        except (ValueError, KeyError) as e:  # e.g. saved before the routed experts were stacked
+            raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this learner's parameters ({e}); "
+                                       f"start a new run from its weights instead (rl.model_path={path})") from e
+
     def load(self, path: str | Path) -> None:
         """Restore weights, optimizer states, `version` and this rank's RNG states from a complete checkpoint."""
         path = Path(path)
@@ -461,15 +515,7 @@ class Learner:
         with torch.no_grad():
             for name, t in weights.items():
                 model_state[name].copy_(t)
-        if state.get("optimizer") != self.cfg.optimizer or len(state["optimizers"]) != len(self.optimizers):
-            raise ckpt.CheckpointError(f"{path}: saved with optimizer {state.get('optimizer')!r}, this learner "
-                                       f"uses {self.cfg.optimizer!r}")
-        try:
-            for opt, sd in zip(self.optimizers, state["optimizers"]):
-                opt.load_state_dict(sd)
-        except (ValueError, KeyError) as e:  # e.g. saved before the routed experts were stacked
-            raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this learner's parameters ({e}); "
-                                       f"start a new run from its weights instead (rl.model_path={path})") from e
+        self._load_optimizer_state(path, state)
         self.version = int(state["version"])
         restore_schedulers(self.schedulers, self.version)
         rng_file = path / f"rng-rank{self.rank:05d}.pt"
@@ -512,6 +558,12 @@ class LearnerWorker:
     def load(self, path: str) -> int:
         self.learner.load(path)
         return self.learner.version
+
+    def load_optimizer(self, path: str) -> None:
+        self.learner.load_optimizer(path)
+
+    def score(self, trajectories: list) -> list[np.ndarray]:
+        return self.learner.score(trajectories)
 
     def version(self) -> int:
         return self.learner.version
@@ -590,6 +642,18 @@ class LearnerGroup:
         versions = ray.get([a.load.remote(str(path)) for a in self.actors])
         return versions[0]
 
+    def load_optimizer(self, path: str | Path) -> None:
+        """Every rank takes the optimizer moments of `path` (`Learner.load_optimizer`)."""
+        import ray
+
+        ray.get([a.load_optimizer.remote(str(path)) for a in self.actors])
+
+    def score(self, trajectories: Sequence[Any]) -> list[np.ndarray]:
+        """`Learner.score` on rank 0 (the weights are the same on every rank)."""
+        import ray
+
+        return ray.get(self.actors[0].score.remote(list(trajectories)))
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -600,4 +664,16 @@ class LearnerGroup:
         remove_placement_group(self.placement_group)
 
 
-__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker", "compute_advantages"]
+def set_rope_theta(model: torch.nn.Module, theta: float) -> None:
+    """Set the RoPE base of a K3 model's MLA layers (which read `config.rope_theta` at every call, model/mla.py;
+    KDA uses no positions). Refused for a model without RoPE on MLA."""
+    config = model.config
+    if getattr(config, "mla_use_nope", True):  # K3 in RoPE mode only (other models have no such flag)
+        raise ValueError(f"rope_theta: the model ({getattr(config, 'model_type', '?')}, mla_use_nope="
+                         f"{getattr(config, 'mla_use_nope', None)}) has no RoPE layers to take a base")
+    if not theta > 1.0:
+        raise ValueError(f"rope_theta: must be > 1, got {theta}")
+    config.rope_theta = float(theta)
+
+
+__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker", "compute_advantages", "set_rope_theta"]

@@ -98,8 +98,15 @@ def build_schedulers(optimizers: list[torch.optim.Optimizer], cfg: Any) -> list[
     call `.step()` on each after every optimizer step that was taken."""
     from transformers import get_scheduler
 
-    return [get_scheduler(str(cfg.lr_scheduler), opt, num_warmup_steps=cfg.warmup_steps,
-                          num_training_steps=cfg.total_steps) for opt in optimizers]
+    name, extra = str(cfg.lr_scheduler), {}
+    floor = float(getattr(cfg, "min_lr_ratio", 0.0) or 0.0)
+    if name == "wsd":  # warmup, stable, cosine decay over the last decay_steps
+        name = "warmup_stable_decay"
+        extra = {"num_decay_steps": int(cfg.decay_steps), "min_lr_ratio": floor}
+    elif name == "cosine" and floor > 0:
+        name, extra = "cosine_with_min_lr", {"min_lr_rate": floor}
+    return [get_scheduler(name, opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.total_steps,
+                          scheduler_specific_kwargs=extra or None) for opt in optimizers]
 
 
 def restore_schedulers(schedulers: list[torch.optim.lr_scheduler.LRScheduler], step: int) -> None:

@@ -144,6 +144,9 @@ class _Forward:
 def forward(model, unit: Unit, segment_tokens: Optional[int], score: Scorer, keep_states: bool = True) -> _Forward:
     """Pass 1: the unit segment by segment without grad (also what scoring a long sequence needs)."""
     mb = unit.mb
+    if mb.position_ids is not None:
+        raise ValueError("segments run one document per row: cut packed sequences first (rl/batching.py "
+                         "split_documents)")
     segs = plan(unit, segment_tokens)
     cache = model.new_cache(1 if unit.prefix_len else mb.num_seqs, capacity=unit.length)
     n = int(mb.loss_mask.sum())

@@ -53,6 +53,9 @@ class Trajectory:
     """`done` (the environment ended the episode) or `truncated:<budget>`."""
     routed_experts: np.ndarray | None = None
     """[N, moe_layers, top_k] int16 expert ids chosen for each token (routing replay), or None."""
+    position_ids: np.ndarray | None = None
+    """[N] int32 positions restarting at 0 at each packed document (pretraining rows, rl/pretrain_data.py): each
+    document is computed as if alone; None: one sequence, positions 0 … N−1."""
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -61,6 +64,8 @@ class Trajectory:
                 raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
         if self.routed_experts is not None and len(self.routed_experts) != n:
             raise ValueError(f"Trajectory.routed_experts has {len(self.routed_experts)} rows for {n} tokens")
+        if self.position_ids is not None and len(self.position_ids) != n:
+            raise ValueError(f"Trajectory.position_ids has {len(self.position_ids)} entries for {n} tokens")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -84,6 +89,7 @@ class Trajectory:
             "finish_reason": self.finish_reason,
             "routed_experts": None if self.routed_experts is None else self.routed_experts.reshape(-1),
             "routed_shape": None if self.routed_experts is None else list(self.routed_experts.shape[1:]),
+            "position_ids": self.position_ids,
         }
         return row
 
@@ -99,6 +105,7 @@ class Trajectory:
             reward=float(row["reward"]), rewards=json.loads(row["rewards"]), metrics=json.loads(row["metrics"]),
             info=json.loads(row["info"]), env=row["env"], task_id=row["task_id"], group_id=row["group_id"],
             finish_reason=row["finish_reason"], routed_experts=routed,
+            position_ids=None if row.get("position_ids") is None else np.asarray(row["position_ids"], dtype=np.int32),
         )
 
 
@@ -173,7 +180,7 @@ _COLUMNS = {"tokens": ("int32", True), "loss_mask": ("uint8", True), "logprobs":
             "reward": ("float64", False), "rewards": ("string", False), "metrics": ("string", False),
             "info": ("string", False), "env": ("string", False), "task_id": ("string", False),
             "group_id": ("string", False), "finish_reason": ("string", False), "routed_experts": ("int16", True),
-            "routed_shape": ("int64", True)}
+            "routed_shape": ("int64", True), "position_ids": ("int32", True)}
 """Parquet columns of `Trajectory.to_row` in `datasets`' order: element type, and whether a list (flattened array)."""
 _ROW_GROUP_VALUES = 2**23
 """Trajectories go into row groups of up to this many array elements (more only for a single trajectory):

@@ -146,7 +146,8 @@ def test_every_learner_setting_reaches_the_learner_config():
               "routing_replay": False, "ref_model_path": "/ref", "lr": 0.25, "weight_decay": 0.5, "max_grad_norm": 3.0,
               "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6, "muon_momentum": 0.9, "logprob_chunk_size": 7,
               "compute_entropy": True, "lr_scheduler": "cosine", "warmup_steps": 4, "total_steps": 40,
-              "micro_batch_seqs": 2, "segment_tokens": 4096, "share_prefix": False}
+              "micro_batch_seqs": 2, "segment_tokens": 4096, "share_prefix": False, "decay_steps": 5,
+              "min_lr_ratio": 0.1}
     assert set(values) == {f.name for f in dataclasses.fields(LearnerSettings)}
     job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"])
     cfg = LearnerConfig.from_job(job, "/policy")

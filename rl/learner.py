@@ -260,6 +260,15 @@ class Learner:
             return [seq]
         return split_documents(seq, self.cfg.segment_tokens)
 
+    def _pack(self, seqs: list[TrainSequence]) -> list[list[int]]:
+        """Micro-batches (indices into `seqs`) within `micro_batch_tokens`, longest first; packed sequences (several
+        documents, never longer than a segment after `_pieces`) apart from the rest, since a micro-batch longer than a
+        segment runs segment by segment, one document per row."""
+        groups = [[i for i, s in enumerate(seqs) if (s.positions is not None) == packed] for packed in (False, True)]
+        return [[group[j] for j in idx] for group in groups if group
+                for idx in pack_micro_batches([len(seqs[i].inputs) for i in group], self.cfg.micro_batch_tokens,
+                                              self.cfg.micro_batch_seqs)]
+
     def _units(self, seqs: list[TrainSequence], share_prefix: bool) -> list[segments.Unit]:
         """Micro-batches as units: the groups' prefix-sharing units (with `share_prefix`), then the rest packed
         whole, longest first, within `micro_batch_tokens`."""
@@ -277,8 +286,7 @@ class Learner:
                 units.append(segments.Unit(
                     collate([seqs[i].tail(P) for i in members], self.device, self._replay_shape),
                     torch.from_numpy(first.inputs[None, :P].astype(np.int64)).to(self.device), routed))
-        for idx in pack_micro_batches([len(seqs[i].inputs) for i in rest], self.cfg.micro_batch_tokens,
-                                      self.cfg.micro_batch_seqs):
+        for idx in self._pack([seqs[i] for i in rest]):
             units.append(segments.Unit(collate([seqs[rest[j]] for j in idx], self.device, self._replay_shape)))
         return units
 
@@ -295,8 +303,7 @@ class Learner:
                 owner.append(i)
         parts: list[list[np.ndarray]] = [[] for _ in pieces]
         with self._router_stats(False):
-            for idx in pack_micro_batches([len(p.inputs) for p in pieces], self.cfg.micro_batch_tokens,
-                                          self.cfg.micro_batch_seqs):
+            for idx in self._pack(pieces):
                 unit = segments.Unit(collate([pieces[j] for j in idx], self.device, self._replay_shape))
                 logp, _ = self.logprobs(self.policy, unit)
                 per_seq = torch.bincount(unit.mb.seq_ids, minlength=unit.mb.num_seqs).tolist()

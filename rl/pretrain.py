@@ -186,6 +186,20 @@ class Climb:
         init_ray(self.cfg.ray)
         return LearnerGroup(lcfg, num_ranks=ranks)
 
+    def stage_learner(self, index: int, previous: Optional[Path], latest: Optional[Path]) -> tuple[Any, int]:
+        """(learner, first step) of stage `index`: resumed from its own newest checkpoint `latest`, or handed the
+        previous stage's final checkpoint — its weights always, its optimizer moments when the stage says
+        `optimizer: keep` (the stage's own learning rate, schedule, RoPE base and step 0 either way)."""
+        learner = self.make_learner(index, Path(latest) if latest else previous or self.start_model())
+        if latest is not None:
+            learner.load(latest)
+            print(f"{st.stage_dir(self.run_dir, index, self.cfg.pretrain.stages[index]).name}: resuming at step "
+                  f"{learner.version} from {latest}", flush=True)
+            return learner, learner.version
+        if previous is not None and str(self.cfg.pretrain.stages[index].optimizer) == "keep":
+            learner.load_optimizer(previous)
+        return learner, 0
+
     def run_stage(self, index: int, previous: Optional[Path]) -> Path:
         """Train stage `index` to its final checkpoint (resuming it when it has checkpoints); returns `final/`."""
         from rl import checkpoint as ckpt
@@ -200,14 +214,7 @@ class Climb:
         steps, rows = st.num_steps(stage), st.rows_per_step(stage)
         manager = ckpt.CheckpointManager(sdir / "checkpoints", keep=pre.keep_checkpoints)
         latest = manager.latest()
-        learner = self.make_learner(index, Path(latest) if latest else previous or self.start_model())
-        start = 0
-        if latest is not None:
-            learner.load(latest)
-            start = learner.version
-            print(f"{sdir.name}: resuming at step {start} from {latest}", flush=True)
-        elif previous is not None and str(stage.optimizer) == "keep":
-            learner.load_optimizer(previous)
+        learner, start = self.stage_learner(index, previous, latest)
         theta = learner.cfg.rope_theta
         print(f"{sdir.name}: {steps} steps × {rows} rows of {stage.seq_len} tokens, lr {stage.lr:g} ({stage.schedule}), "
               f"segments {learner.cfg.segment_tokens or 'off'}, "

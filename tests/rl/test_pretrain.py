@@ -315,3 +315,33 @@ def test_nope_model_ignores_rope_base_with_a_note(tmp_path, monkeypatch):
     assert learner_config(cfg, 1, tmp_path, config).rope_theta is None
     with pytest.raises(ConfigError, match="held-out|heldout_source"):
         check(load_config(climb_config(tmp_path, "nope"), ["pretrain.heldout_source=books"], JobConfig))
+
+
+@pytest.mark.ray
+def test_data_parallel_ranks_on_ray_train_as_one(ray_cluster, tmp_path, monkeypatch):
+    """`pretrain.num_learners: 2` runs a stage on two Ray learner ranks (the RL learner's `LearnerGroup`): the same
+    rows per step and the same losses as one rank."""
+    from transformers import AutoTokenizer
+
+    from rl.metrics import read_metrics
+    from rl.pretrain import Climb
+
+    monkeypatch.setenv("K3RL_DATA", str(tmp_path / "data"))
+    one_stage = ("    - {seq_len: 256, tokens: 1536, batch_tokens: 512, lr: 3.0e-3, schedule: constant, "
+                 "rope_theta: 10000, mixture: {short: 1.0, long: 1.0}}\n")
+    losses = {}
+    for ranks in (1, 2):
+        cfg = load_config(climb_config(tmp_path, f"dp{ranks}", stages=one_stage),
+                          [f"pretrain.num_learners={ranks}", "pretrain.heldout_docs=0"], JobConfig)
+        climb = Climb(cfg)
+        climb.load_data(AutoTokenizer.from_pretrained(climb.start_model()))
+        final = climb.run_stage(0, None)
+        assert (final / "model.safetensors").is_file() and (final / "rng-rank00000.pt").is_file()
+        if ranks == 2:
+            assert (final / "rng-rank00001.pt").is_file()
+        losses[ranks] = [(r["step"], r["data"], r["loss"], r.get("num_ranks", 1.0)) for r in read_metrics(final.parent)
+                         if "data" in r]
+    assert [r[:2] for r in losses[1]] == [r[:2] for r in losses[2]] and len(losses[1]) == 3
+    assert {r[3] for r in losses[2]} == {2.0}
+    for a, b in zip(losses[1], losses[2]):
+        assert a[2] == pytest.approx(b[2], rel=2e-4), (a, b)

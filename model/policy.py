@@ -50,7 +50,9 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
-    if json.loads(config_file.read_text()).get("model_type") not in CONFIG_MAPPING:
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    # K3's config class may be registered (model/config.py imported) before its model class (model/modeling.py)
+    if model_type not in CONFIG_MAPPING or model_type == "k3rl_k3":
         _register_k3()
     config = AutoConfig.from_pretrained(path)
     for name, value in list(config.to_dict().items()):

@@ -342,13 +342,11 @@ class Climb:
         plot_score_by_length(self.summary, self.run_dir / "score_by_length.png")
 
     def _write_plan(self) -> None:
-        try:
-            from rl.pretrain_plan import plan_from_job
+        """`--plan`'s table for this run, beside its results (what was predicted vs what was measured)."""
+        from rl.pretrain_plan import plan_from_job
 
-            text, _ = plan_from_job(self.cfg)
-            (self.run_dir / "plan.txt").write_text(text)
-        except ImportError:
-            pass
+        text, _ = plan_from_job(self.cfg)
+        (self.run_dir / "plan.txt").write_text(text)
 
 
 def _trajectory(row: Any):

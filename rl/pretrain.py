@@ -238,8 +238,8 @@ class Climb:
             return {f"heldout/nll_{bucket_name(*b)}": v for b, v in zip(curve.get("buckets", []), curve.get("nll", []))}
 
         sdir.mkdir(parents=True, exist_ok=True)
-        logger = MetricsLogger(sdir, total_steps=steps, resume_step=start if latest else None, label=sdir.name,
-                               headline=PRETRAIN_HEADLINE)
+        # rows after the step the stage (re)starts from belong to a run that died: cut them
+        logger = MetricsLogger(sdir, total_steps=steps, resume_step=start, label=sdir.name, headline=PRETRAIN_HEADLINE)
         try:
             if "start" not in heldout and start == 0:
                 logger.log(0, measure("start", 0))

@@ -133,6 +133,7 @@ class Climb:
         self.stores: dict[str, Any] = {}
         self.heldout: dict[str, list[int]] = {}
         self.summary: list[dict[str, Any]] = []
+        self.owns_ray = False  # a local Ray cluster this climb started (num_learners > 1), shut down at the end
 
     # ---- setup ----
     def start_model(self) -> Path:
@@ -181,8 +182,11 @@ class Climb:
 
             torch.manual_seed(self.cfg.run.seed + index)
             return Learner(lcfg)
+        import ray
+
         from rl.cluster import init_ray
 
+        self.owns_ray = self.owns_ray or not ray.is_initialized()
         init_ray(self.cfg.ray)
         return LearnerGroup(lcfg, num_ranks=ranks)
 
@@ -304,21 +308,24 @@ class Climb:
         for index, stage in enumerate(self.cfg.pretrain.stages):
             sdir = st.stage_dir(self.run_dir, index, stage)
             final = sdir / "final"
-            stage_started = time.perf_counter()
             if _complete(final):
                 print(f"{sdir.name}: finished earlier ({final})", flush=True)
             else:
                 final = self.run_stage(index, previous)
-            train_s = time.perf_counter() - stage_started
             grid = self.eval_stage(index, final)
-            self.summary.append(self._stage_summary(index, sdir, grid, train_s, time.perf_counter() - stage_started))
+            self.summary.append(self._stage_summary(index, sdir, grid))
             self._report()
             previous = final
         print(f"k3rl pretrain: {len(self.cfg.pretrain.stages)} stages in {time.perf_counter() - started:.0f} s; "
               f"wrote {self.run_dir}", flush=True)
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
         return previous
 
-    def _stage_summary(self, index: int, sdir: Path, grid: Optional[Path], train_s: float, total_s: float) -> dict:
+    def _stage_summary(self, index: int, sdir: Path, grid: Optional[Path]) -> dict:
+        """A stage's numbers from its files (so a stage finished by an earlier, crashed run counts the same)."""
         from rl.climb_report import grid_scores
         from rl.metrics import read_metrics
 
@@ -327,8 +334,9 @@ class Climb:
         out = {"name": sdir.name, "seq_len": int(self.cfg.pretrain.stages[index].seq_len), "steps": len(rows),
                "loss_first": rows[0]["loss"] if rows else None, "loss_last": rows[-1]["loss"] if rows else None,
                "tokens_per_s": sum(r["num_tokens"] for r in rows) / max(1e-9, sum(r["step_time_s"] for r in rows)),
-               "heldout_start": heldout.get("start"), "heldout_end": heldout.get("end"), "seconds": total_s,
-               "train_seconds": train_s}
+               "heldout_start": heldout.get("start"), "heldout_end": heldout.get("end"),
+               "train_seconds": sum(r["step_time_s"] for r in rows),
+               "wall_seconds": (rows[-1]["time"] - rows[0]["time"] + rows[0]["step_time_s"]) if rows else 0.0}
         if grid is not None and (grid / "results.json").is_file():
             out["grid"] = grid_scores(grid / "results.json")
             out["grid_oracle"] = grid_scores(grid / "results.json", "oracle")

@@ -93,7 +93,6 @@ def measure(spec: dict) -> dict:
     import model.modeling  # noqa: F401  (registers the K3 model type: the tokenizer's AutoConfig needs it)
     from rl import stages as st
     from rl.learner import Learner
-    from rl.pretrain import _trajectory
 
     cfg, config = load(spec["config"])
     stores = stores_of(cfg, AutoTokenizer.from_pretrained(spec["model_dir"]))
@@ -109,7 +108,7 @@ def measure(spec: dict) -> dict:
         batch = data.batch(step, rows)
         if step:
             docs += [int((r.position_ids[:-1] == 0).sum()) for r in batch]  # document starts among the inputs
-        trajs = [_trajectory(r) for r in batch]
+        trajs = [r.trajectory() for r in batch]
         if spec["plain"]:
             trajs = [dataclasses.replace(t, position_ids=None) for t in trajs]
         m = learner.train_step(trajs)

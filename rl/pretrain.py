@@ -248,7 +248,7 @@ class Climb:
             if "start" not in heldout and start == 0:
                 logger.log(0, measure("start", 0))
             for step in range(start, steps):
-                batch = [_trajectory(r) for r in data.batch(step, rows)]
+                batch = [r.trajectory() for r in data.batch(step, rows)]
                 metrics = learner.train_step(batch)
                 scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "skip_reason"}
                 if pre.heldout_every and (step + 1) % pre.heldout_every == 0 and step + 1 < steps:
@@ -355,19 +355,6 @@ class Climb:
 
         text, _ = plan_from_job(self.cfg)
         (self.run_dir / "plan.txt").write_text(text)
-
-
-def _trajectory(row: Any):
-    """A packed row (tokens, position_ids, loss_mask) as the learner's `Trajectory`."""
-    import numpy as np
-
-    from rollout.trajectory import Trajectory
-
-    n = len(row.tokens)
-    return Trajectory(tokens=np.asarray(row.tokens, dtype=np.int32), loss_mask=np.asarray(row.loss_mask, np.uint8),
-                      logprobs=np.zeros(n, np.float32), versions=np.full(n, -1, np.int32),
-                      turn_spans=np.zeros((0, 2), np.int32), prompt_len=0,
-                      position_ids=np.asarray(row.position_ids, dtype=np.int32))
 
 
 def _complete(path: Path) -> bool:

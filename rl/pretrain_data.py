@@ -307,6 +307,17 @@ class PackedRow:
     doc_ids: tuple[int, ...]
     """The documents the row touches, in order (a document id may repeat across an epoch boundary)."""
 
+    def trajectory(self):
+        """The row as the learner's `Trajectory` (rollout/trajectory.py): its tokens, loss mask and packed
+        positions; no sampling policy (behaviour log-probs 0, versions -1), which the `nll` objective ignores."""
+        from rollout.trajectory import Trajectory
+
+        n = len(self.tokens)
+        return Trajectory(tokens=self.tokens.astype(np.int32), loss_mask=self.loss_mask.astype(np.uint8),
+                          logprobs=np.zeros(n, np.float32), versions=np.full(n, -1, np.int32),
+                          turn_spans=np.zeros((0, 2), np.int32), prompt_len=0,
+                          position_ids=self.position_ids.astype(np.int32))
+
 
 class PackedRows:
     """Rows of `seq_len + 1` tokens drawn from `stores` by mixture `weights`; `row(r)` is a pure function of r."""

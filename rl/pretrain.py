@@ -314,7 +314,7 @@ class Climb:
                 final = self.run_stage(index, previous)
             grid = self.eval_stage(index, final)
             self.summary.append(self._stage_summary(index, sdir, grid))
-            self._report()
+            self._report(sdir)
             previous = final
         print(f"k3rl pretrain: {len(self.cfg.pretrain.stages)} stages in {time.perf_counter() - started:.0f} s; "
               f"wrote {self.run_dir}", flush=True)
@@ -342,10 +342,11 @@ class Climb:
             out["grid_oracle"] = grid_scores(grid / "results.json", "oracle")
         return out
 
-    def _report(self) -> None:
+    def _report(self, sdir: Path) -> None:
         from rl.climb_report import plot_position_loss, plot_score_by_length
 
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        plot_score_by_length(self.summary[-1:], sdir / "score_by_length.png")
         plot_position_loss(self.summary, self.run_dir / "position_loss.png")
         plot_score_by_length(self.summary, self.run_dir / "score_by_length.png")
 

@@ -150,6 +150,10 @@ def plot_score_by_length(stages: Sequence[dict], path: Path) -> Optional[Path]:
         for j, (cell, points) in enumerate(sorted(stage["grid"].items())):
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=markers[j % len(markers)], color=color,
                     label=f"{stage['name']}: {cell}")
+    ceiling = stages[-1].get("grid_oracle") or {}
+    for j, (cell, points) in enumerate(sorted(ceiling.items())):
+        ax.plot([p[0] for p in points], [p[1] for p in points], linestyle="--", color="gray", alpha=0.6,
+                label="oracle (the ceiling)" if j == 0 else None)
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("context length (tokens of the prompt)")

@@ -9,6 +9,9 @@ One `train_step(trajectories)` is one optimizer step:
    computed once (`share_prefix`), the other sequences are packed whole into right-padded micro-batches
    whose padded size B·T stays within `micro_batch_tokens`, longest first (`rl/batching.py`); a unit longer
    than `segment_tokens` runs segment by segment with the same loss and gradients (K3, `rl/segments.py`);
+   a trajectory with `position_ids` holds several packed documents (pretraining rows, rl/pretrain_data.py),
+   each computed as if alone — in one block-diagonal forward, or, longer than a segment, cut into its
+   documents (`rl/batching.py split_documents`);
 3. the loss-mask token and sequence counts are all-reduced first, so every micro-batch of every
    rank divides by the global counts (`rl/algos/base.py`); each micro-batch runs forward, the
    algorithm's loss and backward; gradients accumulate;

@@ -89,7 +89,6 @@ class Trajectory:
             "finish_reason": self.finish_reason,
             "routed_experts": None if self.routed_experts is None else self.routed_experts.reshape(-1),
             "routed_shape": None if self.routed_experts is None else list(self.routed_experts.shape[1:]),
-            "position_ids": self.position_ids,
         }
         return row
 
@@ -180,7 +179,7 @@ _COLUMNS = {"tokens": ("int32", True), "loss_mask": ("uint8", True), "logprobs":
             "reward": ("float64", False), "rewards": ("string", False), "metrics": ("string", False),
             "info": ("string", False), "env": ("string", False), "task_id": ("string", False),
             "group_id": ("string", False), "finish_reason": ("string", False), "routed_experts": ("int16", True),
-            "routed_shape": ("int64", True), "position_ids": ("int32", True)}
+            "routed_shape": ("int64", True)}
 """Parquet columns of `Trajectory.to_row` in `datasets`' order: element type, and whether a list (flattened array)."""
 _ROW_GROUP_VALUES = 2**23
 """Trajectories go into row groups of up to this many array elements (more only for a single trajectory):

@@ -75,6 +75,20 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """The climb plots' common finish: log2 x-axis, labels, grid, legend, PNG."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_stage_loss(rows: Sequence[dict], path: Path, title: str) -> Optional[Path]:
     """Training loss (and learning rate, right axis) of one stage against its steps."""
     rows = [r for r in rows if "loss" in r and not r.get("skipped")]
@@ -114,16 +128,8 @@ def plot_position_loss(stages: Sequence[dict], path: Path) -> Optional[Path]:
             mids = [(lo + hi) / 2 for lo, hi in curve["buckets"]]
             ax.plot(mids, curve["nll"], style, color=color, marker="o", markersize=3,
                     label=f"{stage['name']} {'start' if key == 'heldout_start' else 'end'}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("position in the held-out document (bucket middle)")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title("held-out long documents: loss by position, per stage")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, ax, path, "position in the held-out document (bucket middle)", "loss (nats / token)",
+                 "held-out long documents: loss by position, per stage")
 
 
 def grid_scores(results_file: Path, runner: str = "model") -> dict[str, list[tuple[int, float]]]:
@@ -154,17 +160,9 @@ def plot_score_by_length(stages: Sequence[dict], path: Path) -> Optional[Path]:
     for j, (cell, points) in enumerate(sorted(ceiling.items())):
         ax.plot([p[0] for p in points], [p[1] for p in points], linestyle="--", color="gray", alpha=0.6,
                 label="oracle (the ceiling)" if j == 0 else None)
-    ax.set_xscale("log", base=2)
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("context length (tokens of the prompt)")
-    ax.set_ylabel("success")
-    ax.set_title("retrieval after each stage of the climb")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, ax, path, "context length (tokens of the prompt)", "success",
+                 "retrieval after each stage of the climb")
 
 
 __all__ = ["bucket_edges", "bucket_name", "grid_scores", "plot_position_loss", "plot_score_by_length",

@@ -55,7 +55,8 @@ class Trajectory:
     """[N, moe_layers, top_k] int16 expert ids chosen for each token (routing replay), or None."""
     position_ids: np.ndarray | None = None
     """[N] int32 positions restarting at 0 at each packed document (pretraining rows, rl/pretrain_data.py): each
-    document is computed as if alone; None: one sequence, positions 0 … N−1."""
+    document is computed as if alone; None: one sequence, positions 0 … N−1. Not a Parquet column: packed rows
+    are rebuilt from the data order, never stored."""
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -104,7 +105,6 @@ class Trajectory:
             reward=float(row["reward"]), rewards=json.loads(row["rewards"]), metrics=json.loads(row["metrics"]),
             info=json.loads(row["info"]), env=row["env"], task_id=row["task_id"], group_id=row["group_id"],
             finish_reason=row["finish_reason"], routed_experts=routed,
-            position_ids=None if row.get("position_ids") is None else np.asarray(row["position_ids"], dtype=np.int32),
         )
 
 

@@ -11,8 +11,29 @@ A_log and dt_bias in fp32 (§13.2); a float64 model (exactness tests) gets a flo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class FusedGate:
+    """The raw gate inputs, passed to a KDA op in place of g so the op computes g itself (in-kernel on GPU).
+
+    `kda_chunk(q, k, v, FusedGate(f, A_log, dt_bias, lb), beta)` equals
+    `kda_chunk(q, k, v, kda_gate(f, A_log, dt_bias, lb), beta)`, with gradients for f, A_log and dt_bias.
+    With `lower_bound` set, the chunked Triton kernel factors its diagonal tiles by plain matmuls (§5.7).
+    """
+
+    f: torch.Tensor  # [B, T, H*K] or [B, T, H, K] raw gate input (output of f_b_proj)
+    A_log: torch.Tensor  # [H]
+    dt_bias: torch.Tensor | None  # [H*K] or None
+    lower_bound: float | None = None
+
+    def log_decay(self) -> torch.Tensor:
+        """g [B, T, H, K] ≥ fp32, by the plain PyTorch gate."""
+        return kda_gate(self.f, self.A_log, self.dt_bias, self.lower_bound)
 
 
 def kda_gate(

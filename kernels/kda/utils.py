@@ -141,3 +141,20 @@ class ChunkedVarlen:
     def unpack(self, y: torch.Tensor) -> torch.Tensor:
         """[1, n_chunks·chunk, ...] -> [1, ΣT, ...]."""
         return y[:, self.flat_pos.to(y.device)]
+
+
+def chunk_indices(cu_seqlens: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk grid of packed sequences, as the Triton kernels read it (fla's convention).
+
+    Returns `indices` int32 [NT, 2]: (sequence s, chunk c within s) of each of the NT chunks, sequences in
+    order, and `offsets` int32 [N + 1]: the first chunk of each sequence (offsets[-1] = NT). Chunk i covers the
+    tokens [cu[s] + c·chunk, min(cu[s] + (c+1)·chunk, cu[s+1])); its state slot is i.
+    """
+    cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+    per_seq = (cu.diff() + chunk - 1) // chunk  # [N]
+    offsets = torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)])  # [N + 1]
+    seq = torch.repeat_interleave(torch.arange(per_seq.numel()), per_seq)  # [NT]
+    within = torch.arange(int(offsets[-1])) - offsets[:-1][seq]  # [NT]
+    device = cu_seqlens.device
+    return (torch.stack([seq, within], dim=1).to(device=device, dtype=torch.int32),
+            offsets.to(device=device, dtype=torch.int32))

@@ -74,13 +74,17 @@ def vllm_engine(tiny_qwen3_dir, vllm_cpu):
 
 @pytest.fixture
 def nan_poison(monkeypatch):
-    """Fresh float memory from torch.empty/empty_like is filled with NaN, so a kernel that
-    skips a write produces NaN instead of passing on whatever the allocator left there."""
-    empty, empty_like = torch.empty, torch.empty_like
+    """Fresh float memory from torch.empty / empty_like / empty_strided / Tensor.new_empty is filled with
+    NaN, so a kernel that skips a write produces NaN instead of passing on whatever the allocator left there.
+    Active for the whole test, backward passes included (autouse for every test under tests/kernels/)."""
+    empty, empty_like, empty_strided = torch.empty, torch.empty_like, torch.empty_strided
+    new_empty = torch.Tensor.new_empty
 
     def poison(t):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: poison(empty_strided(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
     yield

@@ -298,22 +298,9 @@ def test_chunk_fp32_strong_decays(gate):
         assert torch.isfinite(x.grad).all()
 
 
-@pytest.fixture
-def poison_all(nan_poison, monkeypatch):
-    """tests/conftest.py's nan_poison (torch.empty, torch.empty_like), plus Tensor.new_empty."""
-    new_empty = torch.Tensor.new_empty
-
-    def poisoned(self, *args, **kwargs):
-        out = new_empty(self, *args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
-    yield
-
-
 @pytest.mark.parametrize("T", [1, 17, 64, 100])
-def test_nan_poison(T, poison_all):
-    """With fresh memory poisoned, finite inputs give finite outputs equal to the reference: every
+def test_nan_poison(T):
+    """With fresh memory poisoned (tests/kernels/conftest.py), finite inputs give finite outputs equal to the reference: every
     internal buffer (padding included) is written before it is read."""
     for gate in ("bounded", "softplus_strong"):
         inputs = make_inputs(2, T, 2, 16, 16, gate, seed=23 + T)

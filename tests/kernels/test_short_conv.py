@@ -11,7 +11,7 @@ from kernels.short_conv import causal_conv1d, naive_causal_conv1d
 
 
 @pytest.mark.parametrize("B,T,C,W", [(1, 1, 3, 4), (2, 37, 8, 4), (3, 65, 5, 2), (2, 9, 4, 1)])
-def test_causal_conv1d_matches_reference_with_state(B, T, C, W, nan_poison):
+def test_causal_conv1d_matches_reference_with_state(B, T, C, W):
     torch.manual_seed(T)
     x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
     w = torch.randn(C, W, dtype=torch.float64, requires_grad=True)
@@ -46,7 +46,7 @@ def test_bf16_input_with_fp32_weight_and_bad_args():
 
 
 @pytest.mark.parametrize("lengths,W", [([5, 1, 12, 0, 3], 4), ([1, 1, 1], 4), ([7, 9], 2), ([6, 4], 1)])
-def test_causal_conv1d_varlen(lengths, W, nan_poison):
+def test_causal_conv1d_varlen(lengths, W):
     """Packed sequences (`cu_seqlens`): outputs, per-sequence states and gradients equal each sequence alone."""
     torch.manual_seed(len(lengths) + W)
     C = 5

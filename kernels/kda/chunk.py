@@ -208,7 +208,9 @@ def _intra_chunk(qk, gl, k_out, bound):
         return _intra_chunk_safe(qk, gl, x.clamp(-thr, thr), k_out, bound, unsafe)
     e_mid = x.exp()  # [N, B, H, 4, 16, K]
     rows = (qk * e_mid.unsqueeze(-3)).flatten(-3, -2)  # [N, B, H, 4, 32, K] q, k times e^{Γ_t − Γ_{n_i}}
-    k_mid = qk[..., 1, :, :] / e_mid  # [N, B, H, 4, 16, K] k_j e^{Γ_{n_i} − Γ_j}, j in sub-chunk i
+    # e^{−x} rather than 1/e^{x}: the division's gradient is 1/e^{2x}, which overflows fp32 once |x| > 44 (a tile
+    # holding strong and weak decays, e.g. −23 nats at two tokens), and 0·inf made dg NaN
+    k_mid = qk[..., 1, :, :] * (-x).exp()  # [N, B, H, 4, 16, K] k_j e^{Γ_{n_i} − Γ_j}, j in sub-chunk i
     masks = _masks(gl.device)
     zero = rows.new_zeros(())
     blocks = []
@@ -264,12 +266,13 @@ def _intra_chunk_safe(qk, gl, x, k_out, bound, unsafe):
 
 def _diag_tiles(qk, x, gl, unsafe):
     """Diagonal tiles [N, B, H, 4, 2, 16, 16] of Aqk (j ≤ t) and Akk (j < t): matmul around the midpoint with the
-    exponents x = Γ_t − Γ_n clamped to ±SAFE_SPAN (finite factors, so no NaN reaches the gradients), then
+    exponents x = Γ_t − Γ_n clamped to ±SAFE_SPAN (finite factors and finite gradients of both, e^{±x}), then
     the unsafe tiles overwritten by the exact pairwise form."""
     sub = SUB_CHUNK
     e_row = x.exp()  # [N, B, H, 4, 16, K]
     rows = (qk * e_row.unsqueeze(-3)).flatten(-3, -2)  # [N, B, H, 4, 32, K]
-    tiles = (rows @ (qk[..., 1, :, :] / e_row).transpose(-1, -2)).unflatten(-2, (2, sub))  # [N, B, H, 4, 2, 16, 16]
+    cols = qk[..., 1, :, :] * (-x).exp()  # [N, B, H, 4, 16, K] e^{−x}, not 1/e^{x} (see `_intra_chunk`)
+    tiles = (rows @ cols.transpose(-1, -2)).unflatten(-2, (2, sub))  # [N, B, H, 4, 2, 16, 16]
     idx = unsafe.reshape(-1).nonzero().squeeze(1)  # [m]
     qku = qk.reshape(-1, 2, sub, qk.shape[-1])[idx]  # [m, 2, 16, K]
     gu = gl.reshape(-1, sub, gl.shape[-1])[idx]  # [m, 16, K]

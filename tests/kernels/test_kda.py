@@ -394,3 +394,44 @@ def test_naive_chunk_matches_recurrence(gate):
         part = [x[:, cu[i]:cu[i + 1]] for x in packed]
         o_ref, s_ref = naive_recurrent_kda(*part, initial_state=h0n[i:i + 1], output_final_state=True)
         assert rel_err(o[:, cu[i]:cu[i + 1]], o_ref) < 1e-12 and rel_err(s[i], s_ref[0]) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_mixed_decays_in_one_tile(dtype):
+    """Unbounded gate, fresh random tiles holding a few strongly decaying tokens (15 to 60 nats each, at random
+    positions) among weak ones (≈ 0.01): the spans around the tile midpoints fall on both sides of SAFE_SPAN,
+    so both the midpoint matmul (whose factors reach e^{±44..48}) and the pairwise path run. Every gradient is
+    finite and matches the float64 recurrence (dg was NaN when k was divided by e^{x}: its gradient 1/e^{2x}
+    overflowed fp32)."""
+    B, T, H, K, V = 1, 96, 2, 16, 16
+    gen = torch.Generator().manual_seed(71)
+    q, k, v, _, beta = make_inputs(B, T, H, K, V, "softplus", seed=72)
+    strong = torch.rand(B, T, H, K, generator=gen, dtype=F64) < 0.12
+    size = 15.0 + 45.0 * torch.rand(B, T, H, K, generator=gen, dtype=F64)
+    g = torch.where(strong, -size, -0.01 * torch.rand(B, T, H, K, generator=gen, dtype=F64))
+    h0 = torch.randn(B, H, K, V, generator=gen, dtype=F64)
+    inputs = (q, k, v, g, beta)
+    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, inputs, h0, seed=73)
+    o, s, grads = run_with_grads(chunk_kda, [x.to(dtype) for x in inputs], h0.float(), seed=73)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # fp32 compute; bf16 inputs are rounded (2^-8 relative)
+    if dtype == torch.bfloat16:  # the reference sees the rounded inputs too
+        o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, [x.to(dtype).double() for x in inputs], h0, seed=73)
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+    for name, grad, ref in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, g_ref):
+        assert torch.isfinite(grad).all(), f"{name} not finite"
+        assert rel_err(grad, ref, atol=1e-6) < tol, f"{name} rel err {rel_err(grad, ref):.2e}"
+
+
+@pytest.mark.parametrize("strong", [45.0, 47.5])
+def test_chunk_tile_span_just_below_safe_span(strong):
+    """Two tokens of −strong/2 nats after each tile's midpoint: the tile's span (|Γ_t − Γ_n| up to `strong`) stays
+    below SAFE_SPAN, so the fp32 call takes the midpoint matmul with factors up to e^{±strong}; dg stays finite."""
+    B, T, H, K, V = 1, 64, 1, 16, 16
+    q, k, v, _, beta = make_inputs(B, T, H, K, V, "softplus", seed=74)
+    pos = torch.arange(T) % 16
+    g = torch.where((pos == 9) | (pos == 10), -strong / 2, -0.01).to(F64).view(1, T, 1, 1).expand(B, T, H, K)
+    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, (q, k, v, g, beta), None, seed=75)
+    o, s, grads = run_with_grads(chunk_kda, [x.float() for x in (q, k, v, g, beta)], None, seed=75)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+    for grad, ref in zip(grads, g_ref):
+        assert torch.isfinite(grad).all() and rel_err(grad, ref, atol=1e-6) < 1e-4

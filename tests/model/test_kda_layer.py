@@ -93,3 +93,25 @@ def test_fp32_parameters_survive_half_casts_and_checkpoint_names():
                       "f_a_proj.weight": (K, d), "f_b_proj.weight": (P, K), "b_proj.weight": (H, d),
                       "q_conv1d.weight": (P, 1, 4), "k_conv1d.weight": (P, 1, 4), "v_conv1d.weight": (P, 1, 4),
                       "A_log": (H,), "dt_bias": (P,), "o_norm.weight": (K,), "o_proj.weight": (d, P)}
+
+
+def test_unbounded_gate_gradients_finite_with_mixed_decays():
+    """`gate_lower_bound: null` in fp32 with A_log and dt_bias set so some channels decay by 20-40 nats per token
+    and others barely: the gate parameters' gradients (A_log, dt_bias, f_a_proj, f_b_proj) are finite and match
+    the same layer in float64 (they were NaN: docs issue 17, `_diag_tiles`)."""
+    cfg, layer = kda_layer(5, gate_lower_bound=None)
+    H, K = layer.num_heads, layer.head_dim
+    with torch.no_grad():
+        layer.A_log.copy_(torch.linspace(0.0, 3.5, H, dtype=torch.float64))
+        layer.dt_bias.copy_(torch.linspace(-4.0, 4.0, H * K, dtype=torch.float64)[torch.randperm(H * K)])
+    x = torch.randn(1, 80, cfg.hidden_size, dtype=torch.float64) * 2
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        m = layer.to(dtype)
+        m.zero_grad()
+        m(x.to(dtype), make_step((1, 80), "cpu", None, None, 10**6)).double().pow(2).sum().backward()
+        grads[dtype] = {n: p.grad.double().clone() for n, p in m.named_parameters()}
+    for name in ("A_log", "dt_bias", "f_a_proj.weight", "f_b_proj.weight"):
+        got, ref = grads[torch.float32][name], grads[torch.float64][name]
+        assert torch.isfinite(got).all(), name
+        assert (got - ref).norm() / ref.norm() < 1e-3, name

@@ -2,14 +2,15 @@
 
     q̃, k̃, ṽ = W_q x, W_k x, W_v x                           [B, T, H·K]
     q, k, v  = SiLU(CausalConv(q̃)), SiLU(CausalConv(k̃)), SiLU(CausalConv(ṽ))
-    g        = kda_gate(W_fb W_fa x, A_log, dt_bias, lb)     per-channel log decay (both forms)
+    g        = kda_gate(W_fb W_fa x, A_log, dt_bias, lb)     per-channel log decay (both forms; computed by the
+                                                             op from `FusedGate`, in-kernel on a GPU)
     β        = σ(W_b x)
     o        = KDA(l2norm(q)·K^-½, l2norm(k), v, g, β)      chunked (train/prefill) or recurrent (decode)
     y        = W_o · concat_h( RMSNorm_{o_norm, eps=1e-5}(o_h) ⊙ σ(gate_h) )
 
 The gate is full rank (`g_proj`, K3) or low rank (`g_a_proj`→`g_b_proj`, Kimi-Linear) per
 `use_full_rank_gate`. The layer owns the parameters; the math lives in `kernels/kda` (delta rule,
-gate) and `kernels/short_conv` (conv with decode state). `A_log`, `dt_bias` and the conv
+gate; `kda_chunk` / `kda_recurrent` pick Triton on CUDA, PyTorch elsewhere) and `kernels/short_conv` (conv with decode state). `A_log`, `dt_bias` and the conv
 weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is computed in ≥ fp32.
 Left-padding tokens (`StepInfo.valid`) enter as zero inputs, which leaves conv and recurrent
 state exactly as if the padding were absent. Packed documents (`StepInfo.cu_seqlens`, training only) run
@@ -23,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from kernels.kda import FusedGate, kda_chunk, kda_recurrent
 from kernels.short_conv import causal_conv1d
 from model.cache import StepInfo
 
@@ -132,14 +133,16 @@ class KimiDeltaAttention(nn.Module):
         q, q_state = self.q_conv1d(self.q_proj(x).view(*rows, -1), qkv_states[0], cu)  # [B, T, P]
         k, k_state = self.k_conv1d(self.k_proj(x).view(*rows, -1), qkv_states[1], cu)
         v, v_state = self.v_conv1d(self.v_proj(x).view(*rows, -1), qkv_states[2], cu)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.lower_bound)  # [B, T, H, K] ≥ fp32
+        # raw gate inputs: the op computes g (in-kernel on a GPU, where the lower bound picks the matmul tiles)
+        gate_in = FusedGate(self.f_b_proj(self.f_a_proj(x)).view(*rows, H * K), self.A_log, self.dt_bias,
+                            self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         initial = cache.recurrent[self.layer_idx] if cache is not None else None  # [B, H, K, V]
 
         # Recurrent for a one-token decode step, chunked for training and prefill.
-        kda = fused_recurrent_kda if T == 1 and cu is None else chunk_kda
+        kda = kda_recurrent if T == 1 and cu is None else kda_chunk
         varlen = {} if cu is None else {"cu_seqlens": cu}
-        o, final = kda(q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, H, K), g.view(*rows, H, K),
+        o, final = kda(q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, H, K), gate_in,
                        beta.view(*rows, H), scale=K ** -0.5, initial_state=initial,
                        output_final_state=cache is not None, use_qk_l2norm_in_kernel=True, **varlen)  # o [B, T, H, V]
         o = o.reshape(B, T, H, K)

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels.kda.chunk as chunk_module
-from kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurrent_kda
+from kernels.kda import kda_gate, naive_recurrent_kda
+from kernels.kda.chunk import chunk_kda
+from kernels.kda.recurrent import fused_recurrent_kda
 
 F64 = torch.float64
 LENGTHS = [1, 7, 16, 63, 64, 65, 130, 257]

@@ -10,7 +10,8 @@
 
 The gate is full rank (`g_proj`, K3) or low rank (`g_a_proj`→`g_b_proj`, Kimi-Linear) per
 `use_full_rank_gate`. The layer owns the parameters; the math lives in `kernels/kda` (delta rule,
-gate; `kda_chunk` / `kda_recurrent` pick Triton on CUDA, PyTorch elsewhere) and `kernels/short_conv` (conv with decode state). `A_log`, `dt_bias` and the conv
+gate; `kda_chunk` / `kda_recurrent` pick Triton on CUDA, PyTorch elsewhere) and `kernels/short_conv`
+(conv with decode state). `A_log`, `dt_bias` and the conv
 weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is computed in ≥ fp32.
 Left-padding tokens (`StepInfo.valid`) enter as zero inputs, which leaves conv and recurrent
 state exactly as if the padding were absent. Packed documents (`StepInfo.cu_seqlens`, training only) run

@@ -1,7 +1,9 @@
 """SiTU-GLU activation: `situ_glu(gate, up, beta, linear_beta)`.
 
-Picks the Triton kernel on CUDA tensors (or when TRITON_INTERPRET=1 asks for it on the CPU)
-and the plain PyTorch expression otherwise.
+Picks the Triton kernel (kernels/situ/fused.py) on CUDA tensors unless K3RL_DISABLE_TRITON=1, and
+the plain PyTorch expression (kernels/situ/naive.py) otherwise; `situ_glu_triton` is the Triton
+path itself (on CPU tensors under TRITON_INTERPRET=1). Kernels that fuse the activation import
+its `@triton.jit` pieces from `kernels.situ.fused` (`situ_glu_fwd_tl`, `situ_glu_bwd_tl`, …).
 """
 
 from kernels.situ.naive import naive_situ_glu, situ

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import routed_experts
+from kernels.moe import SituGLU, routed_experts
 from kernels.situ import situ_glu
 from model.config import RouterBalanceConfig
 
@@ -95,9 +95,9 @@ class MLP(nn.Module):
 class Experts(nn.Module):
     """`block_sparse_moe.experts`: the E routed experts in the latent width d_m, stacked — one parameter
     per projection, `w1` (gate) and `w3` (up) [E, I, d_m], `w2` (down) [E, d_m, I], each row block
-    `w*[e]` in `nn.Linear` layout — and run through `kernels.moe.routed_experts` (`impl`: `grouped` or
-    the `naive` per-expert loop). Checkpoints keep the per-expert names `experts.{e}.w{1,2,3}.weight`:
-    model/hf_names.py converts at save and load."""
+    `w*[e]` in `nn.Linear` layout — and run through `kernels.moe.routed_experts` (`impl`: `auto` — Triton
+    on CUDA, `grouped` on the CPU — or `triton`, `grouped`, the `naive` per-expert loop). Checkpoints keep
+    the per-expert names `experts.{e}.w{1,2,3}.weight`: model/hf_names.py converts at save and load."""
 
     def __init__(self, config: Any, width: int):
         super().__init__()
@@ -106,8 +106,10 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, inter, width))
         self.w2 = nn.Parameter(torch.empty(e, width, inter))
         self.w3 = nn.Parameter(torch.empty(e, inter, width))
-        self.act = GLUActivation(config)
-        self.impl = "grouped"
+        act = GLUActivation(config)
+        # SiTU-GLU as a value kernels/moe recognises, so its Triton path fuses it into the gate/up GEMM.
+        self.act = SituGLU(act.beta, act.linear_beta) if act.situ else act
+        self.impl = "auto"
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

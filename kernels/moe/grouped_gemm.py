@@ -44,10 +44,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def tile_dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a·b for tiles a [BM, BK], b [BK, BN] with an fp32 accumulator (see module docstring)."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit

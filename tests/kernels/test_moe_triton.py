@@ -11,7 +11,8 @@ Precisions and tolerances:
   6e-3 to 7e-3 for the experts). bf16 keeps 8 mantissa bits (half-ulp 2⁻⁹ ≈ 2e-3); the output, h and the
   gate/up gradients are each rounded to bf16 between the GEMMs, so several half-ulps add up.
 Widths are not multiples of the 16-wide tiles; routings include experts no token chose (their weight
-gradients must be written zeros: fresh memory is NaN-poisoned) and every token on one expert.
+gradients must be written zeros: fresh memory is NaN-poisoned by tests/kernels/conftest.py) and every token
+on one expert.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kernels.moe import SituGLU, grouped_experts, grouped_linear_triton, naive_e
 from kernels.moe.grouped_gemm import tile_map
 from kernels.situ import naive_situ_glu
 
-pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("nan_poison")]
+pytestmark = pytest.mark.triton
 BETA = 4.0
 
 

@@ -92,10 +92,15 @@ def test_recurrent(B, T, H, K, V, l2, f_4d, gate, with_h0):
                                        output_final_state=True, use_qk_l2norm_in_kernel=l2)
     assert o.shape == (B, T, H, V) and o.dtype == torch.float32 and s.dtype == torch.float32
     assert rel_err(o, o_ref) < FP32_TOL and rel_err(s, s_ref) < FP32_TOL
-    o2, s2 = fused_recurrent_kda_triton(*inputs, initial_state=h0, use_qk_l2norm_in_kernel=l2, scale=0.3)
-    o2_ref, _ = naive_recurrent_kda(*ref_inputs, initial_state=None if h0 is None else h0.double(),
-                                    use_qk_l2norm_in_kernel=l2, scale=0.3)
-    assert s2 is None and rel_err(o2, o2_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_recurrent_scale_and_no_state(l2):
+    """A given scale (after the L2 norm when it is on), and no final state unless asked for."""
+    inputs, ref_inputs = make_inputs(2, 3, 2, 32, 48, "softplus", seed=5, l2=l2)
+    o, s = fused_recurrent_kda_triton(*inputs, use_qk_l2norm_in_kernel=l2, scale=0.3)
+    o_ref, _ = naive_recurrent_kda(*ref_inputs, use_qk_l2norm_in_kernel=l2, scale=0.3)
+    assert s is None and rel_err(o, o_ref) < FP32_TOL
 
 
 def varlen_reference(ref_inputs, cu, h0, **kwargs):

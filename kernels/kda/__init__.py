@@ -60,8 +60,9 @@ def kda_recurrent(
     """Recurrent KDA (decode), same tensors and result as `kda_chunk`; see recurrent.py `fused_recurrent_kda`."""
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    gate_in = (g.f, g.A_log, g.dt_bias) if isinstance(g, FusedGate) else (g,)
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, beta, initial_state, *gate_in))
     # the Triton decode kernel is forward-only; a differentiable call (tests, a short prefill) takes PyTorch
     if use_triton(q) and not needs_grad:
         from kernels.kda.recurrent_triton import fused_recurrent_kda_triton

@@ -1,22 +1,24 @@
 """Chunked KDA backward in Triton (docs/model_spec.md §5.5, §5.7): host entry `chunk_bwd`, and `gate_bwd` for
 the gate fused into the forward (§5.2).
 
-`chunk_bwd` takes the forward's intermediates (`ChunkIntermediates`, fp32, the layout of
-/tmp/kda_chunk_contract.md: q/k already normalised and scaled, Γ = gk the chunk-local cumsum of g, Aqk, Ainv,
-w, u, h the state entering each chunk, v_new) and the output gradient, and returns the gradients of q, k, v,
-g (the per-token log decay), β and the initial state. Four launches, each a stage file's kernel:
+`chunk_bwd` takes the forward's intermediates (`kernels.kda.naive.ChunkIntermediates`, fp32: Γ = gk the
+chunk-local cumsum of g, Aqk, Ainv, w, h the state entering each chunk, v_new; q/k as the forward used them,
+normalised and scaled) and the output gradient, and returns the gradients of q, k, v, g (the per-token log
+decay), β and the initial state. Four launches, each a stage file's kernel:
 
-1. chunk_bwd_inter: dv_local = Aqkᵀ dO                               all chunks in parallel
-2. chunk_bwd_inter: reverse state pass → dh' per chunk, dVnew, dh0   sequential over chunks per (sequence, head, V-block)
+1. chunk_bwd_inter: dv_local = Aqkᵀ dO                                all chunks in parallel
+2. chunk_bwd_inter: reverse state pass → dh' per chunk, dVnew, dh0    sequential over chunks per (sequence, head,
+                                                                      V-block)
 3. chunk_bwd_intra: WY gradients → dv, dAqk, dM, partial dq/dk/dβ/dΓ  all chunks in parallel
 4. chunk_bwd_intra: sub-chunk pair terms + reverse cumsum → dq, dk, dg, dβ
 
 `safe_gate` picks the diagonal-tile path of stage 4: True (default, any gate) is the exact token-pair form,
-False the one-matmul midpoint form that is only finite when every g ≥ lb ≥ −5 (the lower-bound gate). The
+False the one-matmul midpoint form that is only finite when every g ≥ lb ≥ −5 (the lower-bound gate); the
 autograd wrapper passes `safe_gate = lower_bound is None`. Where this departs from fla's backward: no
-e^{±Γ} over a whole chunk is formed anywhere (Γ reaches −320 nats with the bound, any value without it), dβ of
-the Akk term is k_t·X_t (X = dM against the decayed keys, so Akk is never rebuilt), and dg's reverse cumsum is
-fused into stage 4.
+e^{±Γ} over a whole chunk is formed anywhere (Γ reaches −320 nats with the bound, any value without it); dβ of
+the Akk term is k_t·X_t (X = dM against the decayed keys), so Akk is never rebuilt; dg's reverse cumsum is
+fused into stage 4, and the diagonal tiles' own pair terms (which sum to zero over the tile) are kept out of
+its carry, which cuts dg's fp32 cancellation error 2.5× at the bound.
 
 `gate_bwd` is the gate's backward: one elementwise kernel for df (rows of the flat [B·T, H, K] input, one
 head per program) that also sums dA_log and ddt_bias over its block of rows; the host adds the blocks.
@@ -28,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_bwd_inter import CHUNK, chunk_bwd_dh, chunk_bwd_dv_local
+from kernels.kda.chunk_bwd_inter import CHUNK, chunk_bwd_dh, chunk_bwd_dv_local, dot_args
 from kernels.kda.chunk_bwd_intra import chunk_bwd_intra, chunk_bwd_wy
 from kernels.kda.naive import ChunkIntermediates
 from kernels.kda.utils import chunk_indices as make_chunk_indices
 
-# torch.nn.functional.softplus's threshold as kda_gate uses it: above it softplus(z) = z.
+# torch.nn.functional.softplus's threshold as kda_gate uses it: above it softplus(z) = z (and its slope is 1).
 SOFTPLUS_THRESHOLD = 20.0
 # Rows of the flat [B·T] token axis per gate_bwd program.
 GATE_ROWS = 64
@@ -96,21 +98,22 @@ def chunk_bwd(
         zeros = [torch.zeros_like(x) for x in (q, k, v)]
         return (*zeros, torch.zeros(B, T, H, K, dtype=torch.float32, device=q.device), torch.zeros_like(beta), dh0)
 
-    dv_local = chunk_bwd_dv_local(Aqk, do, idx, cu_seqlens, NT_grid, NT)  # [B, T, H, V]
+    dots = dot_args(q, k, v, beta, do)
+    dv_local = chunk_bwd_dv_local(Aqk, do, idx, cu_seqlens, NT_grid, NT, dots)  # [B, T, H, V]
     dh, dv_new, dh0 = chunk_bwd_dh(q, k, w, gk, do, dv_local, dht, n_states, NT, h.shape, cu_seqlens, offsets,
-                                   store_dh0)  # [B, NT, H, K, V], [B, T, H, V], [N, H, K, V]
+                                   store_dh0, dots)  # [B, NT, H, K, V], [B, T, H, V], [N, H, K, V]
     dv, dAqk, dM, dq_p, dk_p, dg_p, db_p = chunk_bwd_wy(q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new, idx,
-                                                       cu_seqlens, NT_grid, NT)
+                                                       cu_seqlens, NT_grid, NT, dots)
     dq, dk, dg, dbeta = chunk_bwd_intra(q, k, beta, gk, dAqk, dM, dq_p, dk_p, dg_p, db_p, idx, cu_seqlens,
-                                        NT_grid, NT, safe_gate)
+                                        NT_grid, NT, safe_gate, dots)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 @triton.jit
-def _log1p_exp(z):
-    """softplus(z) = log(1 + e^z) for z ≤ 20 (the caller takes z above): log1p written as log(u)·e/(u − 1),
+def _log1p_exp(z, THRESHOLD: tl.constexpr):
+    """softplus(z) = log(1 + e^z) for z ≤ THRESHOLD (the caller takes z above): log1p written as log(u)·e/(u − 1),
     u = 1 + e, exact where 1 + e rounds (tl has no log1p under the interpreter)."""
-    e = tl.exp(tl.minimum(z, 20.0))
+    e = tl.exp(tl.minimum(z, THRESHOLD))
     u = 1.0 + e
     return tl.where(u == 1.0, e, tl.log(u) * e / tl.where(u == 1.0, 1.0, u - 1.0))
 
@@ -119,7 +122,7 @@ def _log1p_exp(z):
 def gate_bwd_kernel(
     f, A_log, dt_bias, dg, df, dA_part, ddt_part, R, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-    LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, CDT: tl.constexpr,
+    LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, CDT: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
     """df for BR rows × one head, and that block's sums of dA_log [1] and ddt_bias [K]."""
     i_r, i_h = tl.program_id(0), tl.program_id(1)
@@ -141,8 +144,8 @@ def gate_bwd_kernel(
         b_da = b_df * z
     else:
         # g = −a·softplus(z): dg/dz = −a·σ(z) (1 above the threshold), dg/dA_log = g
-        over = z > 20.0
-        sp = tl.where(over, z, _log1p_exp(z))
+        over = z > THRESHOLD
+        sp = tl.where(over, z, _log1p_exp(z, THRESHOLD))
         sig = tl.where(over, 1.0, 1.0 / (1.0 + tl.exp(-z)))
         b_df = -b_dg * a * sig
         b_da = -b_dg * a * sp
@@ -187,7 +190,7 @@ def gate_bwd(
             f_c, A_c, dt_c, dg_c, df, dA_part, ddt_part, R, float(lower_bound or 0.0),
             H=H, K=K, BR=GATE_ROWS, BK=triton.next_power_of_2(K),
             LOWER_BOUND=lower_bound is not None, HAS_DT_BIAS=dt_bias is not None,
-            CDT=tl.float64 if cdt == torch.float64 else tl.float32,
+            CDT=tl.float64 if cdt == torch.float64 else tl.float32, THRESHOLD=SOFTPLUS_THRESHOLD,
         )
     dA_log = dA_part.sum(0).to(A_log.dtype)  # [H]
     ddt_bias = None if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)  # [H*K]

@@ -37,10 +37,11 @@ def block_size(n: int, cap: int) -> int:
     return min(cap, max(16, triton.next_power_of_2(n)))
 
 
-def dot_args(x: torch.Tensor) -> dict:
-    """The kernels' dot operand dtype and precision: bf16 operands (fp32 accumulation) for bf16/fp16 inputs on a
-    GPU; else fp32 operands with IEEE products (no TF32), which is also the only form the interpreter gets right."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+def dot_args(*inputs: torch.Tensor) -> dict:
+    """The kernels' dot operand dtype and precision: bf16 operands (fp32 accumulation) when any input is bf16/fp16
+    on a GPU (a bf16 model: v, β, dO; q and k arrive prepared in fp32); else fp32 operands with IEEE products (no
+    TF32), which is also the only form the interpreter gets right."""
+    if any(x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) for x in inputs):
         return dict(DT=tl.bfloat16, PREC="tf32")
     return dict(DT=tl.float32, PREC="ieee")
 
@@ -153,7 +154,7 @@ def chunk_bwd_dh_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_h, b_dh, mask=m_kv)
 
 
-def chunk_bwd_dv_local(Aqk, do, chunk_indices, cu_seqlens, NT_grid, NT):
+def chunk_bwd_dv_local(Aqk, do, chunk_indices, cu_seqlens, NT_grid, NT, dots):
     """Stage 1: dv_local = Aqkᵀ dO, fp32 [B, T, H, V]."""
     B, T, H, V = do.shape
     BV = block_size(V, BV_MAX)
@@ -161,12 +162,12 @@ def chunk_bwd_dv_local(Aqk, do, chunk_indices, cu_seqlens, NT_grid, NT):
     grid = (triton.cdiv(V, BV), NT_grid, B * H)
     chunk_bwd_dv_local_kernel[grid](
         Aqk, do, dv_local, chunk_indices, cu_seqlens, T, NT,
-        H=H, V=V, BT=CHUNK, BV=BV, IS_VARLEN=cu_seqlens is not None, **dot_args(do),
+        H=H, V=V, BT=CHUNK, BV=BV, IS_VARLEN=cu_seqlens is not None, **dots,
     )
     return dv_local
 
 
-def chunk_bwd_dh(q, k, w, gk, do, dv_local, dht, n_states, NT, h_shape, cu_seqlens, chunk_offsets, store_dh0):
+def chunk_bwd_dh(q, k, w, gk, do, dv_local, dht, n_states, NT, h_shape, cu_seqlens, chunk_offsets, store_dh0, dots):
     """Stage 2, the reverse state pass: dh' per chunk [B, NT, H, K, V] fp32, dVnew [B, T, H, V] fp32, and dh0
     [N, H, K, V] fp32 (None unless store_dh0)."""
     B, T, H, K = q.shape
@@ -180,6 +181,6 @@ def chunk_bwd_dh(q, k, w, gk, do, dv_local, dht, n_states, NT, h_shape, cu_seqle
     chunk_bwd_dh_kernel[grid](
         q, k, w, gk, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, T, NT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
-        USE_DHT=dht is not None, STORE_DH0=store_dh0, **dot_args(q),
+        USE_DHT=dht is not None, STORE_DH0=store_dh0, **dots,
     )
     return dh, dv_new, dh0

@@ -4,7 +4,8 @@ and the chunk-local reverse cumsum that turns dΓ into dg (§5.5, §5.7).
 Stage 3, one program per (chunk, head), with dVnew and dh' from the reverse state pass:
 
     dAqk = dO Vnewᵀ (j ≤ t)     dq̃ = dO hᵀ     dw = −dVnew hᵀ     dKd = Vnew dh'ᵀ
-    u = Ainv (βV), w = Ainv (β Kg):   dAinv = dVnew (βV)ᵀ + dw (βKg)ᵀ,   d(βV) = Ainvᵀ dVnew,   d(βKg) = Ainvᵀ dw
+    u = Ainv (βV), w = Ainv (β Kg):   dAinv = dVnew (βV)ᵀ + dw (βKg)ᵀ
+                                       d(βV) = Ainvᵀ dVnew,   d(βKg) = Ainvᵀ dw
     Ainv = (I + Diag(β) Akk)⁻¹:        dM = −Ainvᵀ dAinv Ainvᵀ (strictly lower; dAkk = Diag(β) dM)
 
 It writes dv (final), dAqk and dM, and the partial dq, dk, dβ, dΓ of these terms; dΓ_C (the terms through
@@ -13,7 +14,7 @@ e^{Γ_C}) is added to the chunk's last row, so the reverse cumsum hands it to ev
 Stage 4, one program per (chunk, head) over its four 16-token sub-chunks from last to first: the pair terms of
 Aqk[t, j] = Σ_c q_t k_j e^{Γ_t − Γ_j} and Akk (rows k_t):
 
-    dq_t  += Σ_j dAqk[t, j] k_j e^{Γ_t − Γ_j}        X_t = Σ_j dM[t, j] k_j e^{Γ_t − Γ_j}    (dk_t += β_t X_t)
+    dq_t  += Σ_j dAqk[t, j] k_j e^{Γ_t − Γ_j}      X_t = Σ_j dM[t, j] k_j e^{Γ_t − Γ_j}   (dk_t += β_t X_t)
     dk_j  += Σ_t (dAqk[t, j] q_t + β_t dM[t, j] k_t) e^{Γ_t − Γ_j}
     dβ_t  += k_t · X_t       (= Σ_j dM[t, j] Akk[t, j], without forming Akk)
     dΓ    += q ⊙ dq_pair + k ⊙ (β X − dk_col)
@@ -23,10 +24,11 @@ token r of the row sub-chunk (e^{Γ_t − Γ_r}, e^{Γ_r − Γ_j}), the column 
 column sub-chunk (e^{Γ_t − Γ_e}, e^{Γ_e − Γ_j}). Diagonal tiles take one of two paths (constexpr SAFE_GATE):
 * SAFE_GATE = False, the lower-bound gate's fast path: one matmul each around the midpoint n of the tile,
   e^{Γ_t − Γ_n} and e^{Γ_n − Γ_j}, both within e^{±40} when every g ≥ lb ≥ −5 (§5.7);
-* SAFE_GATE = True (any gate): the exact token-pair form, one column (or row) of the tile per step, with the
-  exponent Γ_t − Γ_j replaced by 0 wherever j > t or a token is past the end BEFORE the exp: no e^{positive}
+* SAFE_GATE = True (any gate): the exact token-pair form, one column j of the tile per step against all rows,
+  with the exponent Γ_t − Γ_j replaced by 0 wherever j > t or t is past the end BEFORE the exp: no e^{positive}
   is ever formed, so a tile that holds −30-nat decays beside −0.01 ones stays finite (the PyTorch path's NaN).
-dg is then the reverse cumsum of dΓ inside each chunk, carried from sub-chunk to sub-chunk in registers.
+dg is then the reverse cumsum of dΓ inside each chunk, carried from sub-chunk to sub-chunk in registers; the
+diagonal tile's own pair terms are cumsummed inside the tile only (they sum to zero over it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_bwd_inter import CHUNK, SUB_CHUNK, _chunk_bounds, block_size, dot_args
+from kernels.kda.chunk_bwd_inter import CHUNK, SUB_CHUNK, _chunk_bounds, block_size
 
 # Largest K-block of stage 3's [64, BK] accumulators; module-level so a test can shrink it to exercise K tiling.
 BK_WY_MAX = 64
@@ -273,7 +275,7 @@ def chunk_bwd_intra_kernel(
             tl.store(db + rs + o_c * H, b_db.to(db.dtype.element_ty), mask=m_s)
 
 
-def chunk_bwd_wy(q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new, chunk_indices, cu_seqlens, NT_grid, NT):
+def chunk_bwd_wy(q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new, chunk_indices, cu_seqlens, NT_grid, NT, dots):
     """Stage 3: dv [B, T, H, V] (v's dtype), and fp32 dAqk, dM [B, T, H, 64], partial dq, dk, dΓ [B, T, H, K],
     partial dβ [B, T, H]."""
     B, T, H, K = q.shape
@@ -288,13 +290,13 @@ def chunk_bwd_wy(q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new, chunk_indice
     chunk_bwd_wy_kernel[(NT_grid, B * H)](
         q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new,
         dv, dAqk, dM, dq_p, dk_p, dg_p, db_p, chunk_indices, cu_seqlens, T, NT,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, **dot_args(q),
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, **dots,
     )
     return dv, dAqk, dM, dq_p, dk_p, dg_p, db_p
 
 
 def chunk_bwd_intra(q, k, beta, gk, dAqk, dM, dq_p, dk_p, dg_p, db_p, chunk_indices, cu_seqlens, NT_grid, NT,
-                    safe_gate):
+                    safe_gate, dots):
     """Stage 4: dq, dk (their inputs' dtypes), dg fp32 [B, T, H, K], dβ [B, T, H] (beta's dtype)."""
     B, T, H, K = q.shape
     BK = block_size(K, triton.next_power_of_2(K))
@@ -305,6 +307,6 @@ def chunk_bwd_intra(q, k, beta, gk, dAqk, dM, dq_p, dk_p, dg_p, db_p, chunk_indi
         q, k, beta, gk, dAqk, dM, dq_p, dk_p, dg_p, db_p,
         dq, dk, dg, db, chunk_indices, cu_seqlens, T, NT,
         H=H, K=K, BT=CHUNK, BC=SUB_CHUNK, BK=BK, IS_VARLEN=cu_seqlens is not None,
-        SAFE_GATE=bool(safe_gate), **dot_args(q),
+        SAFE_GATE=bool(safe_gate), **dots,
     )
     return dq, dk, dg, db

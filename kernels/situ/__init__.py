@@ -1,6 +1,6 @@
 """SiTU-GLU activation: `situ_glu(gate, up, beta, linear_beta)`.
 
-Picks the Triton kernel (kernels/situ/fused.py) on CUDA tensors unless K3RL_DISABLE_TRITON=1, and
+Picks the Triton kernel (kernels/situ/fused.py) on CUDA tensors (kernels/dispatch.py `use_triton`),
 the plain PyTorch expression (kernels/situ/naive.py) otherwise; `situ_glu_triton` is the Triton
 path itself (on CPU tensors under TRITON_INTERPRET=1). Kernels that fuse the activation import
 its `@triton.jit` pieces from `kernels.situ.fused` (`situ_glu_fwd_tl`, `situ_glu_bwd_tl`, …).

@@ -30,12 +30,11 @@ expression adds two infinite terms of opposite sign and returns NaN (g < 0 there
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import use_triton
 from kernels.situ.naive import naive_situ_glu
 
 BLOCK = 1024
@@ -229,7 +228,7 @@ def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_be
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU [..., N] × [..., N] → [..., N]: Triton on CUDA, the PyTorch expression on the CPU."""
-    if gate.is_cuda and os.environ.get("K3RL_DISABLE_TRITON") != "1":
+    """SiTU-GLU [..., N] × [..., N] → [..., N]: Triton where kernels/dispatch.py says so, else the PyTorch expression."""
+    if use_triton(gate):
         return situ_glu_triton(gate, up, beta, linear_beta)
     return naive_situ_glu(gate, up, beta, linear_beta)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attn_res import attn_res_mix as kernel_attn_res_mix
+
 
 class RMSNorm(nn.Module):
     """`γ ⊙ x / sqrt(mean(x²) + eps)` with γ initialised to ones (not a (1+γ) form), computed in ≥ fp32."""
@@ -47,12 +49,9 @@ def attn_res_mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) ->
     """
     if len(sources) == 1:
         return sources[0]
-    v = torch.stack(sources, dim=-2)  # [..., N, d]
-    vf = v.to(torch.promote_types(v.dtype, torch.float32))
-    keys = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + norm.eps)
-    query = norm.weight.to(vf.dtype) * proj.weight.to(vf.dtype).squeeze(0)  # [d]; only γ ⊙ w matters
-    alpha = torch.softmax(keys @ query, dim=-1)  # [..., N]
-    return (alpha.unsqueeze(-2) @ vf).squeeze(-2).to(v.dtype)
+    dtype = torch.promote_types(sources[0].dtype, torch.float32)
+    query = norm.weight.to(dtype) * proj.weight.to(dtype).squeeze(0)  # [d]; only γ ⊙ w matters
+    return kernel_attn_res_mix(sources, query, norm.eps)  # [..., d]
 
 
 class ResidualStream:

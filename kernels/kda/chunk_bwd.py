@@ -12,13 +12,14 @@ decay), β and the initial state. Four launches, each a stage file's kernel:
 3. chunk_bwd_intra: WY gradients → dv, dAqk, dM, partial dq/dk/dβ/dΓ  all chunks in parallel
 4. chunk_bwd_intra: sub-chunk pair terms + reverse cumsum → dq, dk, dg, dβ
 
-`safe_gate` picks the diagonal-tile path of stage 4: True (default, any gate) is the exact token-pair form,
-False the one-matmul midpoint form that is only finite when every g ≥ lb ≥ −5 (the lower-bound gate); the
-autograd wrapper passes `safe_gate = lower_bound is None`. Where this departs from fla's backward: no
-e^{±Γ} over a whole chunk is formed anywhere (Γ reaches −320 nats with the bound, any value without it); dβ of
-the Akk term is k_t·X_t (X = dM against the decayed keys), so Akk is never rebuilt; dg's reverse cumsum is
-fused into stage 4, and the diagonal tiles' own pair terms (which sum to zero over the tile) are kept out of
-its carry, which cuts dg's fp32 cancellation error 2.5× at the bound.
+`safe_gate` picks the diagonal-tile path of stage 4 and means what it means in vLLM and in the forward
+(kernels/kda/chunk_fwd_intra.py): True when the gate's lower bound is set, for the one-matmul midpoint form
+that is only finite when every g ≥ lb ≥ −5; False (the default, any gate) for the exact token-pair form.
+The autograd wrapper passes `safe_gate = lower_bound is not None` for a fused gate, False for a plain g.
+Where this departs from fla's backward: no e^{±Γ} over a whole chunk is formed anywhere (Γ reaches −320 nats
+with the bound, any value without it); dβ of the Akk term is k_t·X_t (X = dM against the decayed keys), so Akk
+is never rebuilt; dg's reverse cumsum is fused into stage 4, and the diagonal tiles' own pair terms (which sum
+to zero over the tile) are kept out of its carry, which cuts dg's fp32 cancellation error 2.5× at the bound.
 
 `gate_bwd` is the gate's backward: one elementwise kernel for df (rows of the flat [B·T, H, K] input, one
 head per program) that also sums dA_log and ddt_bias over its block of rows; the host adds the blocks.
@@ -52,7 +53,7 @@ def chunk_bwd(
     *,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    safe_gate: bool = True,
+    safe_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of chunked KDA from its intermediates.
 
@@ -64,8 +65,8 @@ def chunk_bwd(
         dht: [N or B, H, K, V] gradient of the final state, or None.
         initial_state: the forward's initial state or None; only decides whether dh0 is returned.
         cu_seqlens: int [N + 1] boundaries of packed sequences (B = 1), or None.
-        safe_gate: True for the exact token-pair diagonal tiles (any gate), False for the midpoint matmul (only
-            for the lower-bound gate, every g ≥ −5).
+        safe_gate: True when every g ≥ lb ≥ −5 (the lower-bound gate): diagonal tiles by one midpoint matmul;
+            False (any gate): the exact token-pair form.
 
     Returns:
         dq, dk [B, T, H, K], dv [B, T, H, V] and dbeta [B, T, H] in the dtypes of q, k, v, beta; dg [B, T, H, K]

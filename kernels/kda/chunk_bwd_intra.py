@@ -21,10 +21,11 @@ Aqk[t, j] = Σ_c q_t k_j e^{Γ_t − Γ_j} and Akk (rows k_t):
 
 Off-diagonal 16×16 blocks are plain matmuls factored so both factors are ≤ 1: the row side through the first
 token r of the row sub-chunk (e^{Γ_t − Γ_r}, e^{Γ_r − Γ_j}), the column side through the last token e of the
-column sub-chunk (e^{Γ_t − Γ_e}, e^{Γ_e − Γ_j}). Diagonal tiles take one of two paths (constexpr SAFE_GATE):
-* SAFE_GATE = False, the lower-bound gate's fast path: one matmul each around the midpoint n of the tile,
+column sub-chunk (e^{Γ_t − Γ_e}, e^{Γ_e − Γ_j}). Diagonal tiles take one of two paths, picked by the constexpr
+SAFE_GATE (vLLM's name and the forward's: the gate is "safe", i.e. its lower bound is set):
+* SAFE_GATE = True, the lower-bound gate's fast path: one matmul each around the midpoint n of the tile,
   e^{Γ_t − Γ_n} and e^{Γ_n − Γ_j}, both within e^{±40} when every g ≥ lb ≥ −5 (§5.7);
-* SAFE_GATE = True (any gate): the exact token-pair form, one column j of the tile per step against all rows,
+* SAFE_GATE = False (any gate): the exact token-pair form, one column j of the tile per step against all rows,
   with the exponent Γ_t − Γ_j replaced by 0 wherever j > t or t is past the end BEFORE the exp: no e^{positive}
   is ever formed, so a tile that holds −30-nat decays beside −0.01 ones stays finite (the PyTorch path's NaN).
 dg is then the reverse cumsum of dΓ inside each chunk, carried from sub-chunk to sub-chunk in registers; the
@@ -218,6 +219,22 @@ def chunk_bwd_intra_kernel(
             b_x_d = tl.zeros([BC, BK], dtype=tl.float32)
             b_dkc_d = tl.zeros([BC, BK], dtype=tl.float32)
             if SAFE_GATE:
+                # midpoint of the tile (a real token): |Γ_t − Γ_mid| ≤ 8·|lb| ≤ 40 nats for the bounded gate
+                i_mid = tl.minimum(BC // 2, n - s0 - 1)
+                b_gn = tl.load(gk + (rs + i_mid * H) * K + o_k, mask=m_k, other=0.0)  # [BK]
+                x = tl.where(m_s[:, None], b_g - b_gn[None, :], 0.0)  # [BC, BK]
+                e_p = tl.exp(x)
+                e_n = tl.exp(-x)
+                m_ss = m_s[:, None] & m_s[None, :]
+                b_da = tl.load(dAqk + rs * BT + s0 + o_cc, mask=m_ss, other=0.0)  # [BC, BC]
+                b_dm = tl.load(dM + rs * BT + s0 + o_cc, mask=m_ss, other=0.0)
+                b_kn = (b_k * e_n).to(DT)
+                b_dq_d += e_p * tl.dot(b_da.to(DT), b_kn, input_precision=PREC)
+                b_x_d += e_p * tl.dot(b_dm.to(DT), b_kn, input_precision=PREC)
+                b_src = tl.dot(tl.trans(b_da).to(DT), (b_q * e_p).to(DT), input_precision=PREC)
+                b_src += tl.dot(tl.trans(b_dm * b_beta[:, None]).to(DT), (b_k * e_p).to(DT), input_precision=PREC)
+                b_dkc_d += e_n * b_src
+            else:
                 # column j of the tile against every row t: e^{Γ_t − Γ_j} with the exponent set to 0 wherever
                 # j > t or t is past the end, BEFORE the exp (those lanes meet dAqk = dM = 0); the same pairs
                 # give the row terms (dq, X) of every t and the column term (dk) of j
@@ -234,22 +251,6 @@ def chunk_bwd_intra_kernel(
                     b_x_d += b_dmj[:, None] * b_kj_t
                     b_col = tl.sum((b_daj[:, None] * b_q + (b_beta * b_dmj)[:, None] * b_k) * e_tj, 0)  # [BK]
                     b_dkc_d += tl.where((o_c == jj)[:, None], b_col[None, :], 0.0)
-            else:
-                # midpoint of the tile (a real token): |Γ_t − Γ_mid| ≤ 8·|lb| ≤ 40 nats for the bounded gate
-                i_mid = tl.minimum(BC // 2, n - s0 - 1)
-                b_gn = tl.load(gk + (rs + i_mid * H) * K + o_k, mask=m_k, other=0.0)  # [BK]
-                x = tl.where(m_s[:, None], b_g - b_gn[None, :], 0.0)  # [BC, BK]
-                e_p = tl.exp(x)
-                e_n = tl.exp(-x)
-                m_ss = m_s[:, None] & m_s[None, :]
-                b_da = tl.load(dAqk + rs * BT + s0 + o_cc, mask=m_ss, other=0.0)  # [BC, BC]
-                b_dm = tl.load(dM + rs * BT + s0 + o_cc, mask=m_ss, other=0.0)
-                b_kn = (b_k * e_n).to(DT)
-                b_dq_d += e_p * tl.dot(b_da.to(DT), b_kn, input_precision=PREC)
-                b_x_d += e_p * tl.dot(b_dm.to(DT), b_kn, input_precision=PREC)
-                b_src = tl.dot(tl.trans(b_da).to(DT), (b_q * e_p).to(DT), input_precision=PREC)
-                b_src += tl.dot(tl.trans(b_dm * b_beta[:, None]).to(DT), (b_k * e_p).to(DT), input_precision=PREC)
-                b_dkc_d += e_n * b_src
 
             o_out = rs * K + o_ck
             # dΓ of the pairs with j in earlier sub-chunks / t in later ones, and of the tile's own pairs

@@ -46,14 +46,15 @@ def one_thread():
 
 @pytest.fixture
 def diag_paths(monkeypatch):
-    """Records the SAFE_GATE constant of every launch of the stage-4 kernel (which diagonal-tile path ran)."""
+    """Records which diagonal-tile path every launch of the stage-4 kernel took: "matmul" (SAFE_GATE, the
+    lower-bound gate's midpoint form) or "pairs" (the exact token-pair form)."""
     kernel = intra_module.chunk_bwd_intra_kernel
     seen = []
 
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.append("safe" if kwargs["SAFE_GATE"] else "fast")
+                seen.append("matmul" if kwargs["SAFE_GATE"] else "pairs")
                 return kernel[grid](*args, **kwargs)
 
             return launch
@@ -179,16 +180,16 @@ def check_bwd(B, T, H, K, V, gate, *, with_h0, with_dht, safe_gate, cu_seqlens=N
 @pytest.mark.parametrize(
     "B, T, H, K, V, gate, with_h0, with_dht, safe_gate",
     [
-        (2, 20, 1, 16, 16, "softplus", True, True, True),  # B > 1, one partial chunk
-        (1, 64, 2, 16, 16, "softplus", False, False, True),  # exactly one chunk, no states
-        (1, 100, 1, 32, 48, "bounded", True, False, False),  # K, V not powers of two
-        (1, 130, 2, 32, 48, "bounded", True, True, False),  # three chunks, the last of 2 tokens
-        (1, 130, 1, 16, 16, "softplus", False, True, True),
+        (2, 20, 1, 16, 16, "softplus", True, True, False),  # B > 1, one partial chunk
+        (1, 64, 2, 16, 16, "softplus", False, False, False),  # exactly one chunk, no states
+        (1, 100, 1, 32, 48, "bounded", True, False, True),  # K, V not powers of two
+        (1, 130, 2, 32, 48, "bounded", True, True, True),  # three chunks, the last of 2 tokens
+        (1, 130, 1, 16, 16, "softplus", False, True, False),
     ],
 )
 def test_chunk_bwd(B, T, H, K, V, gate, with_h0, with_dht, safe_gate, diag_paths):
     check_bwd(B, T, H, K, V, gate, with_h0=with_h0, with_dht=with_dht, safe_gate=safe_gate)
-    assert diag_paths == ["safe" if safe_gate else "fast"]
+    assert diag_paths == ["matmul" if safe_gate else "pairs"]
 
 
 @pytest.mark.parametrize("safe_gate", [True, False])
@@ -198,26 +199,26 @@ def test_chunk_bwd_varlen(safe_gate, diag_paths):
     cu_seqlens = torch.tensor([0, 5, 5, 75, 108])
     check_bwd(1, 108, 2, 32, 48, "bounded", with_h0=True, with_dht=True, safe_gate=safe_gate,
               cu_seqlens=cu_seqlens)
-    assert diag_paths == ["safe" if safe_gate else "fast"]
+    assert diag_paths == ["matmul" if safe_gate else "pairs"]
 
 
 def test_chunk_bwd_strong_and_weak_decays_in_one_tile():
-    """The issue's case: unbounded gate, every 16-token tile mixes −30-nat and −0.01-nat decays. The safe path
-    never forms e^{positive}; dg is finite and right (the PyTorch chunk_kda backward returns NaN here)."""
-    check_bwd(1, 100, 1, 16, 16, "mixed", with_h0=True, with_dht=True, safe_gate=True, tol=TOL_DEEP,
+    """The issue's case: unbounded gate, every 16-token tile mixes −30-nat and −0.01-nat decays. The token-pair
+    path never forms e^{positive}; dg is finite and right (the PyTorch chunk_kda backward returns NaN here)."""
+    check_bwd(1, 100, 1, 16, 16, "mixed", with_h0=True, with_dht=True, safe_gate=False, tol=TOL_DEEP,
               exact_inter=True)
 
 
 def test_chunk_bwd_decays_at_the_bound_fast_path():
-    """g = −5 everywhere: the fast path's midpoint factors reach e^{±40} and Γ reaches −320 over a chunk."""
-    check_bwd(1, 130, 1, 16, 16, "at_bound", with_h0=True, with_dht=True, safe_gate=False, tol=TOL_DEEP)
+    """g = −5 everywhere: the matmul path's midpoint factors reach e^{±40} and Γ reaches −320 over a chunk."""
+    check_bwd(1, 130, 1, 16, 16, "at_bound", with_h0=True, with_dht=True, safe_gate=True, tol=TOL_DEEP)
 
 
 def test_chunk_bwd_bf16():
     """bf16 q, k, v, β, dO (fp32 intermediates and states): computed in fp32, dq, dk, dv, dβ returned in bf16, so
     their relative error is bf16's rounding (unit roundoff 2^-8 = 3.9e-3; measured 2-3.5e-3); dg and dh0 stay
     fp32 and keep TOL."""
-    errors = check_bwd(1, 70, 1, 16, 16, "bounded", with_h0=True, with_dht=True, safe_gate=False, tol=1e-2,
+    errors = check_bwd(1, 70, 1, 16, 16, "bounded", with_h0=True, with_dht=True, safe_gate=True, tol=1e-2,
                        dtype=torch.bfloat16)
     assert errors["dg"] < TOL and errors["dh0"] < TOL
 
@@ -228,7 +229,7 @@ def test_chunk_bwd_tiled(monkeypatch):
     monkeypatch.setattr(inter_module, "BV_STATE_MAX", 16)
     monkeypatch.setattr(intra_module, "BV_WY_MAX", 16)
     monkeypatch.setattr(intra_module, "BK_WY_MAX", 16)
-    check_bwd(1, 70, 1, 32, 48, "softplus", with_h0=True, with_dht=True, safe_gate=False)
+    check_bwd(1, 70, 1, 32, 48, "bounded", with_h0=True, with_dht=True, safe_gate=True)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])

@@ -124,7 +124,8 @@ def naive_chunk_kda(
     n_chunks = [-(-(end - start) // C) for _, start, end in spans]
     NT = max(n_chunks, default=0) if cu_seqlens is None else sum(n_chunks)
     gk, Aqk, Ainv = g.new_zeros(B, T, H, K), g.new_zeros(B, T, H, C), g.new_zeros(B, T, H, C)
-    w, u, v_new, o = q.new_zeros(B, T, H, K), v.new_zeros(B, T, H, V), v.new_zeros(B, T, H, V), v.new_zeros(B, T, H, V)
+    w, u = q.new_zeros(B, T, H, K), v.new_zeros(B, T, H, V)
+    v_new, o = v.new_zeros(B, T, H, V), v.new_zeros(B, T, H, V)
     hs = q.new_zeros(B, NT, H, K, V)
     finals = []
     chunk_id = 0
@@ -137,7 +138,8 @@ def naive_chunk_kda(
             n = c1 - c0
             qc, kc, vc, bc = (x[b, c0:c1].transpose(0, 1) for x in (q, k, v, beta))  # [H, n, ·], beta [H, n]
             G = g[b, c0:c1].transpose(0, 1).cumsum(1)  # [H, n, K]
-            pair = (G.unsqueeze(2) - G.unsqueeze(1)).exp()  # [H, n, n, K] e^{Γ_t − Γ_j} (used for j ≤ t only)
+            # e^{Γ_t − Γ_j} for j ≤ t; j > t is masked below, clamped first so it cannot overflow into inf·0
+            pair = (G.unsqueeze(2) - G.unsqueeze(1)).clamp_max(0.0).exp()  # [H, n, n, K]
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             aqk = torch.einsum("htc,hjc,htjc->htj", qc, kc, pair) * causal
             akk = torch.einsum("htc,hjc,htjc->htj", kc, kc, pair) * causal.tril(-1)

@@ -75,9 +75,35 @@ def check_triton() -> dict:
         return ((a.detach().double().cpu() - b.detach()).norm() / b.detach().norm()).item()
 
     errs = {"y": rel(out, ref), "dgate": rel(gt.grad, g64.grad), "dup": rel(ut.grad, u64.grad)}
+    kda_errs = _check_kda_chunk(device, rel)
     mode = "interpreter (CPU)" if interpreted else torch.cuda.get_device_name()
-    return {"ok": max(errs.values()) < TRITON_TOL,
-            "detail": f"SiTU-GLU on {mode}: rel. error " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())}
+    return {"ok": max(errs.values()) < TRITON_TOL and max(kda_errs.values()) < TRITON_TOL,
+            "detail": f"on {mode}, rel. error: SiTU-GLU " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+                      + "; chunked KDA (gate in-kernel, lb −5) "
+                      + ", ".join(f"{k} {v:.1e}" for k, v in kda_errs.items())}
+
+
+def _check_kda_chunk(device: str, rel) -> dict:
+    """The Triton chunked KDA (forward + backward, fused lower-bound gate) on 40 tokens vs the float64 recurrence."""
+    import torch
+
+    from kernels.kda import FusedGate, kda_gate, naive_recurrent_kda
+    from kernels.kda.chunk_triton import chunk_kda_triton
+
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K = 1, 40, 2, 16
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen) for _ in range(4))
+    beta, A_log = torch.rand(B, T, H, generator=gen), torch.randn(H, generator=gen)
+    do = torch.randn(B, T, H, K, generator=gen)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v, f, beta)]
+    o_ref, _ = naive_recurrent_kda(*ref_in[:3], kda_gate(ref_in[3], A_log.double(), None, -5.0), ref_in[4],
+                                   use_qk_l2norm_in_kernel=True)
+    o_ref.backward(do.double())
+    got_in = [x.to(device).requires_grad_() for x in (q, k, v, f, beta)]
+    o, _ = chunk_kda_triton(*got_in[:3], FusedGate(got_in[3], A_log.to(device), None, -5.0), got_in[4],
+                            use_qk_l2norm_in_kernel=True)
+    o.backward(do.to(device))
+    return {"o": rel(o, o_ref), **{f"d{n}": rel(a.grad, b.grad) for n, a, b in zip("qkvf", got_in, ref_in)}}
 
 
 def check_vllm(work_dir: Path) -> dict:

@@ -12,8 +12,10 @@ The backward (kernels/kda/chunk_bwd.py) recomputes stages 3-4 with the same func
 w, u, h, v_new.
 
 q and k arrive already L2-normalised (if asked) and q scaled: the autograd wrapper (chunk_triton.py) does
-that in PyTorch. The state h is kept whole along K ([next_pow2(K), BV] fp32 per program) and tiled over V;
+that in PyTorch. The state pass holds h as two 64-row K halves (K ≤ 128) of a BV = 16 column block, fp32;
 every exponent is ≤ 0 (Γ_C − Γ_t, Γ_t), with rows past the sequence's end given exponent 0 before exp.
+Launch options (8 warps, no pipelining) and block sizes were chosen from sm_90 compiles (register use and
+spills, see chunk_fwd_intra.LAUNCH); nothing here has been timed on a GPU.
 Varlen (`cu_seqlens`, B = 1) uses `kernels.kda.utils.chunk_indices`: chunk i of the grid is chunk c of
 sequence s, state slot i, and chunks restart at every sequence start.
 """
@@ -28,6 +30,7 @@ import triton.language as tl
 
 from kernels.kda.chunk_fwd_intra import (
     CHUNK,
+    LAUNCH,
     _chunk_span,
     _load_rows,
     _load_row,
@@ -62,12 +65,14 @@ def chunk_state_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # the state is held as two K-halves of BK rows (the second only when K > BK; K ≤ 2·BK): one [K, BV]
+    # tile and its [BT, K] operands would not fit the registers at K = 128 (they spill on sm_90)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        n_chunks = tl.cdiv(T_seq, BT)
+        n_chunks = (T_seq + BT - 1) // BT
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         bos = i_n.to(tl.int64) * T
@@ -75,31 +80,53 @@ def chunk_state_kernel(
         n_chunks = NT
         boh = i_n.to(tl.int64) * NT
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
+    c1 = tl.arange(0, BK)
+    c2 = BK + tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    km, vm = ck < K, cv < V
-    hv_off = ck[:, None] * V + cv[None, :]  # [BK, BV] offsets inside one [K, V] state
-    hv_mask = km[:, None] & vm[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    m1, m2, vm = c1 < K, c2 < K, cv < V
+    # [BK, BV] offsets and masks of the two halves inside one [K, V] state
+    o1, o2 = c1[:, None] * V + cv[None, :], c2[:, None] * V + cv[None, :]
+    hm1, hm2 = m1[:, None] & vm[None, :], m2[:, None] & vm[None, :]
+    b_h1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + hv_off, mask=hv_mask, other=0.0).to(tl.float32)
+        b_h1 += tl.load(h0 + i_nh.to(tl.int64) * K * V + o1, mask=hm1, other=0.0).to(tl.float32)
+        if K > BK:
+            b_h2 += tl.load(h0 + i_nh.to(tl.int64) * K * V + o2, mask=hm2, other=0.0).to(tl.float32)
     for i_c in range(n_chunks):
-        tl.store(h + ((boh + i_c) * H + i_h) * K * V + hv_off, b_h, mask=hv_mask)
+        p_h = h + ((boh + i_c) * H + i_h) * K * V
+        tl.store(p_h + o1, b_h1, mask=hm1)
+        if K > BK:
+            tl.store(p_h + o2, b_h2, mask=hm2)
         tok0 = bos + i_c * BT
         NV = tl.minimum(T_seq - i_c * BT, BT)
         rmask = rows < NV
-        b_w = _load_rows(w, tok0, rows, rmask, ck, km, i_h, H, K)  # [BT, BK]
-        b_u = _load_rows(u, tok0, rows, rmask, cv, vm, i_h, H, V)  # [BT, BV]
-        b_v = b_u - tl.dot(b_w, b_h, input_precision=DOT_PRECISION)  # [BT, BV] v_new
-        tl.store(v_new + (tok0 + rows[:, None]) * (H * V) + i_h * V + cv[None, :], b_v,
-                 mask=rmask[:, None] & vm[None, :])
-        g_last = _load_row(gk, tok0, NV - 1, NV, ck, km, i_h, H, K)  # [BK] Γ_C (last valid row)
-        b_g = _load_rows(gk, tok0, rows, rmask, ck, km, i_h, H, K)
-        b_k = _load_rows(k, tok0, rows, rmask, ck, km, i_h, H, K)
-        k_dec = b_k * tl.exp(tl.where(rmask[:, None], g_last[None, :] - b_g, 0.0))  # [BT, BK] k e^{Γ_C − Γ_t}
-        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_dec), b_v, input_precision=DOT_PRECISION)
+        last = tok0 + NV - 1  # Γ_C is Γ at the chunk's last valid row
+        r_k = (tok0 + rows[:, None]) * (H * K) + i_h * K  # [BT, 1] row offsets into [B·T, H, K]
+        r_v = (tok0 + rows[:, None]) * (H * V) + i_h * V + cv[None, :]  # [BT, BV]
+        b_u = tl.load(u + r_v, mask=rmask[:, None] & vm[None, :], other=0.0)
+        b_w1 = tl.load(w + r_k + c1[None, :], mask=rmask[:, None] & m1[None, :], other=0.0)  # [BT, BK]
+        b_v = b_u - tl.dot(b_w1, b_h1, input_precision=DOT_PRECISION)  # [BT, BV] v_new = u − w h
+        if K > BK:
+            b_w2 = tl.load(w + r_k + c2[None, :], mask=rmask[:, None] & m2[None, :], other=0.0)
+            b_v -= tl.dot(b_w2, b_h2, input_precision=DOT_PRECISION)
+        tl.store(v_new + r_v, b_v, mask=rmask[:, None] & vm[None, :])
+        # h ← e^{Γ_C} ⊙ h + (K ⊙ e^{Γ_C − Γ})ᵀ v_new, both exponents ≤ 0 (rows past the end: exponent 0, k = 0)
+        g_last = tl.load(gk + last * (H * K) + i_h * K + c1, mask=m1, other=0.0)  # [BK]
+        b_g = tl.load(gk + r_k + c1[None, :], mask=rmask[:, None] & m1[None, :], other=0.0)
+        b_k = tl.load(k + r_k + c1[None, :], mask=rmask[:, None] & m1[None, :], other=0.0).to(tl.float32)
+        k_dec = b_k * tl.exp(tl.where(rmask[:, None], g_last[None, :] - b_g, 0.0))  # [BT, BK]
+        b_h1 = b_h1 * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_dec), b_v, input_precision=DOT_PRECISION)
+        if K > BK:
+            g_last = tl.load(gk + last * (H * K) + i_h * K + c2, mask=m2, other=0.0)
+            b_g = tl.load(gk + r_k + c2[None, :], mask=rmask[:, None] & m2[None, :], other=0.0)
+            b_k = tl.load(k + r_k + c2[None, :], mask=rmask[:, None] & m2[None, :], other=0.0).to(tl.float32)
+            k_dec = b_k * tl.exp(tl.where(rmask[:, None], g_last[None, :] - b_g, 0.0))
+            b_h2 = b_h2 * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_dec), b_v, input_precision=DOT_PRECISION)
     if STORE_FINAL_STATE:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + hv_off, b_h, mask=hv_mask)
+        tl.store(ht + i_nh.to(tl.int64) * K * V + o1, b_h1, mask=hm1)
+        if K > BK:
+            tl.store(ht + i_nh.to(tl.int64) * K * V + o2, b_h2, mask=hm2)
 
 
 @triton.jit
@@ -156,13 +183,16 @@ def chunk_state(
     h = torch.empty(B, NT, H, K, V, dtype=torch.float32, device=k.device)  # [B, NT, H, K, V]
     v_new = torch.empty(B, T, H, V, dtype=torch.float32, device=k.device)  # [B, T, H, V]
     final = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
-    BV = block_size(V, 32)
+    # BV = 16: no spills at K = 128 (LAUNCH), and V/16 programs per sequence and head fill the GPU at B·H = 16
+    BK, BV = block_size(K, 64), block_size(V, 16)
+    if K > 2 * BK:
+        raise ValueError(f"chunk_state holds K ≤ 128 (two 64-row halves of the state), got K={K}")
     chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
         k.contiguous(), w.contiguous(), u.contiguous(), gk.contiguous(), h, v_new,
         initial_state.contiguous() if initial_state is not None else None, final, cu_seqlens, offsets, T, NT,
-        H=H, K=K, V=V, BT=CHUNK, BK=block_size(K, 256), BV=BV,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(dot_dtype or k.dtype),
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(dot_dtype or k.dtype), **LAUNCH,
     )
     return h, v_new, final
 
@@ -185,12 +215,12 @@ def chunk_output(
     o = torch.empty(B, T, H, V, dtype=out_dtype or q.dtype, device=q.device)  # [B, T, H, V]
     if NT == 0:
         return o
-    BV = block_size(V, 64)
+    BV = block_size(V, 32)
     chunk_output_kernel[(triton.cdiv(V, BV), NT, B * H if cu_seqlens is None else H)](
         q.contiguous(), gk.contiguous(), h.contiguous(), Aqk.contiguous(), v_new.contiguous(), o,
         cu_seqlens, indices, T, NT,
         H=H, K=K, V=V, BT=CHUNK, BK=block_size(K, 64), BV=BV,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype),
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype), **LAUNCH,
     )
     return o
 

@@ -41,7 +41,16 @@ from kernels.kda.utils import chunk_indices as make_chunk_indices
 
 CHUNK = 64
 SUB = 16
-SOFTPLUS_THRESHOLD = 20.0
+# a constexpr global: plain globals are refused by the GPU compiler (the interpreter accepts them)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+# Launch options of the tile kernels, from sm_90 compiles of K = V = 128 (`triton.compile` for
+# GPUTarget("cuda", 90, 32) with cuobjdump --dump-resource-usage; no GPU was run): 8 warps and no software
+# pipelining keep the intra, w/u, state and output kernels within 255 registers without spilling for bf16
+# inputs (4 warps or 3 stages spill 0.1-2 KB per thread); fp32 inputs (ieee dots) still spill a little in
+# the output kernel. The interpreter ignores both.
+LAUNCH = dict(num_warps=8, num_stages=1)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -362,6 +371,8 @@ def chunk_cumsum_gate(
         return gk
     if fused and A_log is None:
         raise ValueError("the fused gate needs A_log")
+    if K > 256:
+        raise ValueError(f"chunk_cumsum_gate holds a chunk's K channels in one tile (K ≤ 256), got K={K}")
     chunk_cumsum_gate_kernel[(NT, B * H if cu_seqlens is None else H)](
         g.contiguous(), gk,
         A_log.contiguous() if fused else gk, dt_bias.contiguous() if fused and dt_bias is not None else gk,
@@ -397,6 +408,7 @@ def chunk_intra(
         q.contiguous(), k.contiguous(), gk.contiguous(), beta.contiguous(), Aqk, Ainv, cu_seqlens, indices, T,
         H=H, K=K, BT=CHUNK, BC=SUB, BK=block_size(K, 64), BKP=SUB,
         SAFE_GATE=bool(safe_gate), IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(q.dtype),
+        **LAUNCH,
     )
     return Aqk, Ainv
 
@@ -423,6 +435,6 @@ def recompute_w_u(
         k.contiguous(), v.contiguous(), beta.contiguous(), gk.contiguous(), Ainv.contiguous(), w, u,
         cu_seqlens, indices, T,
         H=H, K=K, V=V, BT=CHUNK, BK=block_size(K, 64), BV=block_size(V, 64),
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype),
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=dot_precision(k.dtype), **LAUNCH,
     )
     return w, u

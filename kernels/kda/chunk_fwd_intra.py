@@ -1,13 +1,14 @@
 """Chunked KDA forward, the chunk-parallel stages (docs/model_spec.md §5.5, §5.7) in Triton.
 
-Every kernel here runs one program per (64-token chunk, batch·head) and writes the tensors of
-kernels/kda/naive.py `ChunkIntermediates` (layout in /tmp/kda_chunk_contract.md, [B, T, H, ·] token-major):
+Every kernel here runs one program per (64-token chunk, batch·head), grid (NT, B·H) (with cu_seqlens: (NT over
+all sequences, H)), and writes tensors of kernels/kda/naive.py `ChunkIntermediates` in its layout (fp32,
+[B, T, H, ·] token-major, Aqk/Ainv rows of 64 columns indexed inside the row's chunk):
 
 1. `chunk_cumsum_gate`: Γ = chunk-local inclusive cumsum of g; with a fused gate g is first computed from
    the raw input f (z = f + dt_bias, a = e^{A_log}: −a·softplus(z) with threshold 20, or lb·σ(a·z)).
 2. `chunk_intra`: Aqk[t, j] = Σ_c q_t k_j e^{Γ_t − Γ_j} (j ≤ t) and L = Diag(β)·Akk (j < t) on 16×16 tiles,
-   then Ainv = (I + L)⁻¹ in the same program (forward substitution on the four diagonal tiles, block
-   products for the six below them), so Akk never goes to memory.
+   then Ainv = (I + L)⁻¹ in the same program (forward substitution on the four diagonal tiles, a tile at a
+   time by tl.dot, see `_inv_unit_lower`; block products for the six below them), so Akk never goes to memory.
 3. `recompute_w_u`: w = Ainv (β ⊙ K ⊙ e^Γ), u = Ainv (β ⊙ V).
 
 Numerics: e^{−Γ} is never formed over a chunk (Γ reaches −320 nats with the bound −5, any value without it).

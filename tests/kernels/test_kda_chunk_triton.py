@@ -1,6 +1,8 @@
 """The Triton chunked KDA (kernels/kda/chunk_fwd*.py, chunk_triton.py `chunk_kda_triton`) against the float64
 references of kernels/kda/naive.py: every forward stage against `naive_chunk_kda`'s `ChunkIntermediates`,
-the whole op against the per-token recurrence `naive_recurrent_kda`.
+the whole op against the per-token recurrence `naive_recurrent_kda`, and forward + backward end to end
+(ChunkKDAFunction recomputing w, u, h, v_new, then kernels/kda/chunk_bwd.py) against float64 autograd through
+the recurrence: dq, dk, dv, dβ, dh0 and dg, or df, dA_log, ddt_bias for the gate fused in the kernel.
 
 Runs under TRITON_INTERPRET=1 on CPU tensors (tests/conftest.py); fresh memory is NaN-poisoned
 (tests/kernels/conftest.py), and numpy is set to raise on overflow / invalid / divide-by-zero, so an inf or
@@ -15,7 +17,8 @@ fla's), and with 30-nat decays |Γ| reaches ~10³ nats inside a chunk, so Γ_t �
 of ulp(|Γ|) ≈ 6e-5 (observed 1.4e-5 on the state; the PyTorch chunk_kda, which keeps Γ per 16-token
 sub-chunk, sees 3e-6; the per-token fp32 recurrence 1e-7).
 Shapes are tiny (one program per chunk and head): T ∈ {1, 20, 64, 100, 130}, H ∈ {1, 2}, K = V = 16 and
-K = 32 with V = 48 (not a power of two: masked lanes, and two 32-wide V blocks in the state pass),
+K = 32 with V = 48 (not a power of two: masked lanes, and several V blocks: three of 16 in the state pass,
+two of 32 in the output),
 packed sequences of lengths 5, 70, 33.
 """
 
@@ -28,6 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.kda.chunk_bwd as bwd_module
 import kernels.kda.chunk_fwd_intra as intra_module
 from kernels.kda.chunk_fwd import GateSpec, chunk_fwd
 from kernels.kda.chunk_triton import chunk_kda_triton
@@ -65,11 +69,15 @@ def make_inputs(B, T, H, K, V, gate, seed, dtype=torch.float32):
     """Kernel inputs and the float64 reference inputs of the same values, as dicts.
 
     gate: "g"          a plain log-decay tensor (softplus gate of random f, made in float64);
-          "softplus"   FusedGate without bound (f std 3: both sides of softplus's threshold regions);
+          "softplus"   FusedGate without bound (f std 3: log decays from ≈ −1e-4 to ≈ −10 nats);
           "bound"      FusedGate with lb = −3;
           "bound_sat"  FusedGate with lb = −5 and σ ≈ 1: every token decays by ≈ e^-5 (Γ reaches −320 per chunk);
           "mixed"      plain g: −30 nats on random (token, channel) pairs next to −0.01 inside every 16-token tile;
-          "mixed_gate" FusedGate without bound giving the same mix (z = ±20: softplus 20 or ≈ 2e-9, ·1.5).
+          "bound_near" FusedGate with lb = −5 and σ ∈ (0.95, 0.98): decays within 5% of the bound, where the
+                       gate's gradients are not yet lost to σ's saturation (at "bound_sat" ∂g/∂z ≈ 1e-12 rounds
+                       to 0 in fp32, for PyTorch's fp32 autograd as well);
+          "mixed_gate" FusedGate without bound giving the same mix (e^{A_log} = 30, z = 0.55 or −8: g ≈ −30 or
+                       −0.01), each with a gradient of f that is not lost to rounding.
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -89,16 +97,17 @@ def make_inputs(B, T, H, K, V, gate, seed, dtype=torch.float32):
         f, A_log, dt_bias, lb = f.abs() + 6.0, A_log.abs() + 1.0, dt_bias.abs(), -5.0
     elif gate == "bound":
         lb = -3.0
+    elif gate == "bound_near":
+        f = 3.0 + torch.rand(B, T, H * K, generator=gen, dtype=F64)
+        A_log, dt_bias, lb = A_log * 0, dt_bias * 0.1, -5.0
     elif gate == "mixed_gate":
-        f = torch.where(torch.rand(B, T, H * K, generator=gen) < 0.5, 20.0, -20.0).to(F64)
-        A_log, dt_bias = torch.full((H,), math.log(1.5), dtype=F64), None
+        f = torch.where(torch.rand(B, T, H * K, generator=gen) < 0.5, 0.55, -8.0).to(F64)
+        A_log, dt_bias = torch.full((H,), math.log(30.0), dtype=F64), None
     elif gate != "softplus":
         raise ValueError(gate)
-    if "g" not in ref:
-        ref["g"] = kda_gate(f, A_log, dt_bias, lb)
-        ref["gate"] = (f, A_log, dt_bias, lb)
-    run = {name: x.to(dtype) for name, x in ref.items() if name in ("q", "k", "v", "beta")}
-    if "gate" in ref:
+    fused = "g" not in ref
+    run = {name: x.to(dtype) for name, x in ref.items()}
+    if fused:
         # the gate parameters stay fp32 (as the layer keeps them); f in the input dtype
         run["g"] = FusedGate(f.to(dtype), A_log.float(), None if dt_bias is None else dt_bias.float(), lb)
         ref["g"] = kda_gate(f.to(dtype).double(), A_log.float().double(),
@@ -184,7 +193,7 @@ def test_chunk_kda_triton_hard_decays(T, H, K, V, gate, batch):
     o_ref, s_ref = naive_recurrent_kda(**{n: ref[n] for n in ("q", "k", "v", "g", "beta")},
                                        initial_state=h0.double(), output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
-    tol = MIXED_TOL if gate == "mixed" else FP32_TOL
+    tol = MIXED_TOL if gate.startswith("mixed") else FP32_TOL
     assert rel_err(o, o_ref) < tol and rel_err(final, s_ref) < tol, (rel_err(o, o_ref), rel_err(final, s_ref))
 
 
@@ -223,14 +232,26 @@ class _LaunchSpy:
 @pytest.mark.parametrize("gate, matmul_path", [("bound", True), ("softplus", False), ("g", False)])
 def test_lower_bound_takes_matmul_path(gate, matmul_path, monkeypatch):
     """The intra kernel is launched with SAFE_GATE (diagonal tiles by one tl.dot around the midpoint) exactly
-    when the gate's lower bound is set; a softplus gate or a plain g gets the token-pair path."""
+    when the gate's lower bound is set; a softplus gate or a plain g gets the token-pair path. The backward
+    is handed the same choice (chunk_bwd's safe_gate)."""
     spy = _LaunchSpy(intra_module.chunk_intra_kernel)
     monkeypatch.setattr(intra_module, "chunk_intra_kernel", spy)
+    bwd_calls = []
+
+    def chunk_bwd_spy(*args, **kwargs):
+        bwd_calls.append(kwargs["safe_gate"])
+        return real_chunk_bwd(*args, **kwargs)
+
+    real_chunk_bwd = bwd_module.chunk_bwd
+    monkeypatch.setattr(bwd_module, "chunk_bwd", chunk_bwd_spy)
     run, ref = make_inputs(1, 16, 1, 16, 16, gate, seed=31)
+    run["v"].requires_grad_()
     o, _ = chunk_kda_triton(**run)
     assert spy.safe_gate == [matmul_path]
     o_ref, _ = naive_recurrent_kda(**{n: ref[n] for n in ("q", "k", "v", "g", "beta")})
     assert rel_err(o, o_ref) < FP32_TOL
+    o.sum().backward()
+    assert bwd_calls == [matmul_path]
 
 
 def test_matmul_path_would_overflow_unbounded_decays():
@@ -243,3 +264,120 @@ def test_matmul_path_would_overflow_unbounded_decays():
     Aqk, _ = intra_module.chunk_intra(q, run["k"], gk, run["beta"], safe_gate=False)
     _, _, inter = naive_chunk_kda(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"])
     assert rel_err(Aqk, inter.Aqk) < MIXED_TOL
+
+
+def _loss_grads(fn, inputs, gate, h0, cu_seqlens, seed, **kwargs):
+    """Output, final state and the gradients (q, k, v, β, then g or f/A_log/dt_bias, then h0) of a random linear
+    loss of both; `gate` is None for a plain g in inputs["g"], else (f, A_log, dt_bias, lb)."""
+    names = ["q", "k", "v", "beta"] + (["g"] if gate is None else [])
+    leaves = {n: inputs[n].detach().clone().requires_grad_() for n in names}
+    gate_leaves = [] if gate is None else [x.detach().clone().requires_grad_() for x in gate[:3] if x is not None]
+    h0 = None if h0 is None else h0.detach().clone().requires_grad_()
+    if gate is not None:
+        f, A_log = gate_leaves[:2]
+        dt_bias = gate_leaves[2] if len(gate_leaves) == 3 else None
+    if fn is chunk_kda_triton:
+        g = leaves["g"] if gate is None else FusedGate(f, A_log, dt_bias, gate[3])
+        o, state = fn(leaves["q"], leaves["k"], leaves["v"], g, leaves["beta"], initial_state=h0,
+                      output_final_state=True, cu_seqlens=cu_seqlens, **kwargs)
+    else:
+        g = leaves["g"] if gate is None else kda_gate(f, A_log, dt_bias, gate[3])
+        spans = [(0, inputs["q"].shape[1])] if cu_seqlens is None else list(zip(cu_seqlens[:-1].tolist(),
+                                                                              cu_seqlens[1:].tolist()))
+        outs, states = [], []
+        for s, (a, b) in enumerate(spans):
+            # per sequence (the recurrence has no cu_seqlens); without it the batch rows run together
+            h0_s = h0 if cu_seqlens is None or h0 is None else h0[s : s + 1]
+            o_s, st = naive_recurrent_kda(leaves["q"][:, a:b], leaves["k"][:, a:b], leaves["v"][:, a:b],
+                                          g[:, a:b], leaves["beta"][:, a:b], initial_state=h0_s,
+                                          output_final_state=True, **kwargs)
+            outs.append(o_s)
+            states.append(st)
+        o, state = torch.cat(outs, dim=1), torch.cat(states)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=F64)
+    dstate = torch.randn(state.shape, generator=gen, dtype=F64)
+    ((o.double() * do).sum() + (state.double() * dstate).sum()).backward()
+    grads = {f"d{n}": x.grad for n, x in leaves.items()}
+    if gate is not None:
+        grads.update(zip(["df", "dA_log", "ddt_bias"], [x.grad for x in gate_leaves]))
+    if h0 is not None:
+        grads["dh0"] = h0.grad
+    return o.detach(), state.detach(), grads
+
+
+def check_grads(run, ref, h0, cu_seqlens, tol, seed, gate_tol=None, **kwargs):
+    """chunk_kda_triton forward + backward (fp32) vs float64 autograd through naive_recurrent_kda; the fused
+    gate's parameter gradients (df, dA_log, ddt_bias) against gate_tol (default tol), or, when gate_tol is
+    ("abs", a), by absolute error ≤ a."""
+    fg = run["g"]
+    if isinstance(fg, FusedGate):
+        gate_run, gate_ref = (fg.f, fg.A_log, fg.dt_bias, fg.lower_bound), tuple(
+            None if x is None else (x.double() if isinstance(x, torch.Tensor) else x)
+            for x in (fg.f, fg.A_log, fg.dt_bias, fg.lower_bound))
+        inputs_run = {n: run[n] for n in ("q", "k", "v", "beta")}
+        inputs_ref = {n: ref[n] for n in ("q", "k", "v", "beta")}
+    else:
+        gate_run = gate_ref = None
+        inputs_run, inputs_ref = run, {n: ref[n] for n in ("q", "k", "v", "beta", "g")}
+    o, s, grads = _loss_grads(chunk_kda_triton, inputs_run, gate_run, h0, cu_seqlens, seed, **kwargs)
+    o_ref, s_ref, grads_ref = _loss_grads(naive_recurrent_kda, inputs_ref, gate_ref,
+                                          None if h0 is None else h0.double(), cu_seqlens, seed, **kwargs)
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol, (rel_err(o, o_ref), rel_err(s, s_ref))
+    assert grads.keys() == grads_ref.keys()
+    errs = {n: rel_err(grads[n], grads_ref[n]) for n in grads}
+    for n in grads:
+        assert grads[n].dtype == inputs_run.get(n[1:], grads[n]).dtype, n
+        assert torch.isfinite(grads[n]).all(), n
+    gate_names = ("df", "dA_log", "ddt_bias")
+    if isinstance(gate_tol, tuple):
+        for n in set(gate_names) & grads.keys():
+            errs[n] = (grads[n].double() - grads_ref[n]).abs().max().item()
+    limits = {n: (gate_tol[1] if isinstance(gate_tol, tuple) else gate_tol or tol) if n in gate_names else tol
+              for n in errs}
+    assert all(errs[n] < limits[n] for n in errs), {n: f"{e:.1e}" for n, e in errs.items()}
+    return errs
+
+
+# Gradient tolerances. Ordinary gates: FP32_TOL for every gradient (measured 1e-7 to 2e-6). Deep decays
+# (−30 nats, or all at the bound): MIXED_TOL for dq, dk, dv, dβ, dg, dh0 (measured ≤ 1.2e-5: fp32 Γ as above,
+# and dg is a reverse cumsum of terms that cancel, kernels/kda/chunk_bwd.py). Their fused-gate parameter
+# gradients get GATE_TOL: df = ∂g/∂z ⊙ dg weights the dg of the −30-nat tokens (true value ~e^-30, so fp32
+# rounding noise) 1900× more than the weak tokens' in "mixed_gate", and dA_log, ddt_bias are sums over tokens of
+# terms of both signs; measured df 2.3e-4, dA_log 5.4e-4, ddt_bias 1e-4 (the fp32 PyTorch chunk_kda on the same
+# inputs: 7e-5, 4e-4, 6.5e-5). At the bound itself ("bound_sat", σ(a·z) ≈ 1) ∂g/∂z = lb·a·σ(1 − σ) is below
+# fp32's resolution of 1 − σ (6e-8), so the gate gradients are rounding noise in fp32 (PyTorch's fp32 autograd
+# returns 0 there; relative error 1): they are checked by absolute error ≤ 1e-7 (measured 6e-9 for dA_log,
+# ≤ 6e-10 elementwise for df, ddt_bias; ‖dq‖ ~ 1).
+GATE_TOL = 2e-3
+
+
+@pytest.mark.parametrize(
+    "T, H, K, V, gate, with_h0, tol, gate_tol",
+    [
+        (100, 2, 32, 48, "g", True, FP32_TOL, None),
+        (64, 1, 16, 16, "bound", False, FP32_TOL, None),
+        (130, 1, 16, 16, "softplus", True, FP32_TOL, None),
+        (1, 2, 16, 16, "softplus", True, FP32_TOL, None),
+        (100, 1, 16, 16, "bound_near", True, MIXED_TOL, GATE_TOL),
+        (70, 1, 16, 16, "bound_sat", True, MIXED_TOL, ("abs", 1e-7)),
+        (37, 1, 16, 16, "mixed", True, MIXED_TOL, None),
+        (20, 2, 32, 48, "mixed_gate", False, MIXED_TOL, GATE_TOL),
+    ],
+)
+def test_chunk_kda_triton_grads(T, H, K, V, gate, with_h0, tol, gate_tol):
+    """Forward + backward through chunk_kda_triton (ChunkKDAFunction: w, u, h, v_new recomputed, then
+    chunk_bwd and, for a FusedGate, gate_bwd) against float64 autograd: dq, dk, dv, dβ, dg or df/dA_log/
+    ddt_bias, dh0; incl. the −30/−0.01 tile (token-pair path) and decays at the bound −5 (matmul path)."""
+    run, ref = make_inputs(1, T, H, K, V, gate, seed=500 + T)
+    h0 = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(T)) if with_h0 else None
+    check_grads(run, ref, h0, None, tol, seed=T, gate_tol=gate_tol)
+
+
+def test_chunk_kda_triton_grads_varlen_l2norm():
+    """Packed sequences (5, 70, 33) with a per-sequence initial state, the lower-bound FusedGate, and the L2
+    norm + scale done in PyTorch before the kernels (their gradient flows through autograd)."""
+    run, ref = make_inputs(1, 108, 2, 16, 16, "bound", seed=600)
+    h0 = torch.randn(3, 2, 16, 16, generator=torch.Generator().manual_seed(601))
+    check_grads(run, ref, h0, torch.tensor([0, 5, 75, 108]), FP32_TOL, seed=602, scale=0.4,
+                use_qk_l2norm_in_kernel=True)

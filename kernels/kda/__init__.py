@@ -38,7 +38,8 @@ def kda_chunk(
     → o [B, T, H, V] (input dtype), final state [B or N, H, K, V] (fp32) or None. See chunk.py `chunk_kda`."""
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
-    if use_triton(q):
+    # float64 (exactness tests on a GPU) stays on PyTorch: the kernels compute in fp32
+    if use_triton(q) and q.dtype != torch.float64:
         from kernels.kda.chunk_triton import chunk_kda_triton
 
         return chunk_kda_triton(q, k, v, g, beta, **kw)
@@ -64,7 +65,7 @@ def kda_recurrent(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, beta, initial_state, *gate_in))
     # the Triton decode kernel is forward-only; a differentiable call (tests, a short prefill) takes PyTorch
-    if use_triton(q) and not needs_grad:
+    if use_triton(q) and not needs_grad and q.dtype != torch.float64:
         from kernels.kda.recurrent_triton import fused_recurrent_kda_triton
 
         return fused_recurrent_kda_triton(q, k, v, g, beta, **kw)

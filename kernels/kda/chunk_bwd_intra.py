@@ -161,8 +161,9 @@ def chunk_bwd_intra_kernel(
     o_cc = o_c[:, None] * (H * BT) + o_c[None, :]
     # dΓ summed over the later sub-chunks of the chunk: the reverse cumsum's carry
     b_carry = tl.zeros([BK], dtype=tl.float32)
-    for step in tl.static_range(BT // BC):
-        i_i = BT // BC - 1 - step
+    # sub-chunks last to first; i_i is the loop variable itself so it stays a constexpr (the GPU front end
+    # turns a plain local computed from one into an int32 tensor, which tl.static_range(i_i) below refuses)
+    for i_i in tl.static_range(BT // BC - 1, -1, -1):
         s0 = i_i * BC
         if s0 < n:
             m_s = o_c < n - s0  # real rows of this sub-chunk

@@ -30,6 +30,11 @@ SUB_CHUNK = 16
 # Largest V-block a program owns; module-level so a test can shrink it to exercise V tiling.
 BV_MAX = 64
 BV_STATE_MAX = 32
+# Launch of the state pass, w/y and intra kernels (bwd stages 2-4). Compiled for sm_90 (bench/compile_sm90.py,
+# bf16, K = V = 128) Triton's default 4 warps / 3 stages spilled 100-1000 B per thread in all three and gave the
+# state pass 233 KB of shared memory (over the 227 KB a block may have); 8 warps without pipelining: no
+# spills in the state pass and intra kernels, 40-68 B in w/y, at most 32 KB shared. The interpreter ignores both.
+LAUNCH = dict(num_warps=8, num_stages=1)
 
 
 def block_size(n: int, cap: int) -> int:
@@ -181,6 +186,6 @@ def chunk_bwd_dh(q, k, w, gk, do, dv_local, dht, n_states, NT, h_shape, cu_seqle
     chunk_bwd_dh_kernel[grid](
         q, k, w, gk, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, T, NT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
-        USE_DHT=dht is not None, STORE_DH0=store_dh0, **dots,
+        USE_DHT=dht is not None, STORE_DH0=store_dh0, **dots, **LAUNCH,
     )
     return dh, dv_new, dh0

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_bwd_inter import CHUNK, SUB_CHUNK, _chunk_bounds, block_size
+from kernels.kda.chunk_bwd_inter import CHUNK, LAUNCH, SUB_CHUNK, _chunk_bounds, block_size
 
 # Largest K-block of stage 3's [64, BK] accumulators; module-level so a test can shrink it to exercise K tiling.
 BK_WY_MAX = 64
@@ -292,7 +292,7 @@ def chunk_bwd_wy(q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new, chunk_indice
     chunk_bwd_wy_kernel[(NT_grid, B * H)](
         q, k, v, beta, gk, Ainv, h, v_new, do, dh, dv_new,
         dv, dAqk, dM, dq_p, dk_p, dg_p, db_p, chunk_indices, cu_seqlens, T, NT,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, **dots,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, **dots, **LAUNCH,
     )
     return dv, dAqk, dM, dq_p, dk_p, dg_p, db_p
 
@@ -309,6 +309,6 @@ def chunk_bwd_intra(q, k, beta, gk, dAqk, dM, dq_p, dk_p, dg_p, db_p, chunk_indi
         q, k, beta, gk, dAqk, dM, dq_p, dk_p, dg_p, db_p,
         dq, dk, dg, db, chunk_indices, cu_seqlens, T, NT,
         H=H, K=K, BT=CHUNK, BC=SUB_CHUNK, BK=BK, IS_VARLEN=cu_seqlens is not None,
-        SAFE_GATE=bool(safe_gate), **dots,
+        SAFE_GATE=bool(safe_gate), **dots, **LAUNCH,
     )
     return dq, dk, dg, db

@@ -323,6 +323,10 @@ _WORD = re.compile(r"[A-Za-z]+")
 _EDGE = "\"'()[],.;:!?"
 
 
+# Draws in a row that yield no new quote after which a closed world of `articles` is taken as exhausted.
+QUOTE_DROUGHT = 500
+
+
 def quote_tasks(corpus: Corpus, n: int, seed: int = 0, method: str = "bm25", words: int = 5,
                 articles: int | None = None) -> list[dict[str, Any]]:
     """``n`` questions "which article contains the words "…"?" whose answer is a title in ``corpus``.
@@ -351,12 +355,19 @@ def quote_tasks(corpus: Corpus, n: int, seed: int = 0, method: str = "bm25", wor
         order = (rng.choice(docs) for _ in range(200 * n))
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
+    misses = 0
     for doc_id in order:
         if len(out) == n:
             break
         quote = _pick_quote(corpus, doc_id, rng, words, method)
         if quote is None or quote in seen:
+            misses += 1
+            # a closed world of N articles holds a bounded number of quotes: once QUOTE_DROUGHT draws in a row
+            # add nothing it is exhausted (asking for too many used to search 200·n times before failing)
+            if articles is not None and misses >= QUOTE_DROUGHT:
+                break
             continue
+        misses = 0
         seen.add(quote)
         passage = corpus.passage(f"{doc_id}#0")
         out.append({

@@ -194,3 +194,16 @@ def test_match_snippet_shows_the_sentence_that_matches_the_query():
     assert "… The gardener keeps a red lantern, and its number is 7. …"[:60] in obs
     with pytest.raises(ValueError, match="snippet: 'tail'"):
         SearchEnv(corpus=None, snippet="tail")
+
+
+def test_an_exhausted_closed_world_fails_fast(wiki_corpus):
+    """Asking 2 fixed articles for more quotes than they hold fails after QUOTE_DROUGHT fruitless draws, not after
+    200·n searches (5,000 questions took over ten minutes to refuse)."""
+    import time
+
+    from envs.search import QUOTE_DROUGHT, quote_tasks
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="only .* quote questions"):
+        quote_tasks(wiki_corpus, 10**6, seed=3, articles=2)
+    assert QUOTE_DROUGHT <= 1000 and time.perf_counter() - start < 120  # generous: 1,000 draws are ~1 s here

@@ -169,7 +169,7 @@ def print_multi_turn(rows: list[tuple], max_tokens: int) -> None:
 
 
 def set_expert_impl(model, impl: str) -> None:
-    """Run every routed-expert block of `model` with `impl` (kernels/moe `IMPLEMENTATIONS`: `grouped`, `naive`, `triton`)."""
+    """Run every routed-expert block of `model` with `impl` (kernels/moe: `grouped`, `naive`, `triton`)."""
     from model.moe import Experts
 
     for m in model.modules():

@@ -8,7 +8,7 @@ hidden size, depth and heads for MHA). The run fails unless every measurement eq
 computed from the layout: per MLA layer `kv_lora_rank + qk_rope_head_dim` values per token;
 per KDA layer a constant conv state `3·H·K·(W−1)` (bf16) and recurrent state `H·K·K` (fp32);
 per MHA layer `2·d` values per token. The per-token slope and the constant part are fitted from
-the measurements. Contexts beyond 4K, and the reference config (configs/model/k3-2.8t.yaml),
+the measurements. Contexts beyond 4K, and the reference config (configs/model/k3.yaml),
 are computed from the layout only.
 
     python bench/decode_memory.py
@@ -105,8 +105,8 @@ def main() -> int:
         print("\nFAILED: a measured cache differs from its layout; no computed table is reported.", file=sys.stderr)
         return 1
 
-    ref = load_model_config(str(ROOT / "configs/model/k3-2.8t.yaml"))
-    for name, cfg in (("Tiny config", tiny), ("Reference config k3-2.8t", ref)):
+    ref = load_model_config(str(ROOT / "configs/model/k3.yaml"))
+    for name, cfg in (("Tiny config", tiny), ("Reference config k3", ref)):
         mla = all_mla(cfg)
         lac = cfg.linear_attn_config
         print(f"\n## {name}, computed from the layout (bf16 cache, fp32 KDA state, batch 1): "

@@ -456,7 +456,7 @@ def human_count(n: float) -> str:
 
 
 def human_params(n: float) -> str:
-    """2.75T, 104B, 5.1M: a parameter count."""
+    """2.78T, 105B, 5.1M: a parameter count."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.3g}{unit}"

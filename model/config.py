@@ -125,7 +125,15 @@ class ModelConfig:
     image_num_channels: int = 3
     media_placeholder_token_id: Optional[int] = None
     """Token whose embedding rows are replaced by image patch embeddings; null: no images."""
+    checkpoint_layout: Optional[str] = None
+    """On-disk layout of saved models (model/hf_layout.py): `kimi_linear` (text-only Kimi-Linear,
+    `KimiLinearForCausalLM`), `kimi_k3` (`KimiK3ForConditionalGeneration`, text weights under
+    `language_model.`), or null: `kimi_k3` when images are on (`media_placeholder_token_id` set), else
+    `kimi_linear`."""
 
+
+CHECKPOINT_LAYOUTS = (None, "kimi_linear", "kimi_k3")
+"""Values of `ModelConfig.checkpoint_layout` (null: chosen by the image setting, model/hf_layout.py `layout_for`)."""
 
 _NESTED = {"linear_attn_config": LinearAttnConfig, "router_balance": RouterBalanceConfig}
 
@@ -241,6 +249,8 @@ def validate_model_config(v: Mapping[str, Any]) -> None:
             raise ValueError(f"{name}: must lie in [0, vocab_size={v['vocab_size']}), got {v[name]!r}")
     if not (isinstance(v["logit_scale"], (int, float)) and math.isfinite(v["logit_scale"])):
         raise ValueError(f"logit_scale: must be a finite number, got {v['logit_scale']!r}")
+    if v["checkpoint_layout"] not in CHECKPOINT_LAYOUTS:
+        raise ValueError(f"checkpoint_layout: must be null, kimi_linear or kimi_k3, got {v['checkpoint_layout']!r}")
 
 
 def _validate_moe(v: Mapping[str, Any]) -> None:
@@ -276,8 +286,10 @@ def _define_k3_config() -> type:
 
         `linear_attn_config` and `router_balance` are plain dicts (as in the released
         config.json); missing keys take the dataclass defaults. Invalid values raise ValueError
-        naming the field (`validate_model_config`). `model_type` is "k3rl_k3": transformers
-        already owns "kimi_linear" (a different module layout), so ours registers its own name.
+        naming the field (`validate_model_config`). `model_type` is "k3rl_k3", in memory only:
+        transformers already owns "kimi_linear" (a different module layout), so ours registers its
+        own name; on disk a K3 directory is always one of the released layouts, written and read by
+        model/hf_layout.py (which reads the old "k3rl_k3" directories too).
         """
 
         model_type = "k3rl_k3"
@@ -317,6 +329,9 @@ def _define_k3_config() -> type:
     K3Config.__module__ = __name__
     K3Config.__qualname__ = "K3Config"
     AutoConfig.register(K3Config.model_type, K3Config, exist_ok=True)
+    from model.hf_layout import register_auto_config
+
+    register_auto_config()  # AutoTokenizer on a kimi_k3 directory must not ask about remote code
     return K3Config
 
 

@@ -50,16 +50,20 @@ def write_weights(
     directory: PathLike,
     tensors: Mapping[str, torch.Tensor],
     max_shard_bytes: int = 5 * 2**30,
-    quantize: Optional[Callable[[str], bool]] = None,
+    quantize: Union[None, str, Callable[[str], bool]] = None,
 ) -> Optional[dict]:
     """Write `tensors` as safetensors shards plus `model.safetensors.index.json` into `directory`.
 
-    `quantize(name) -> bool` picks the `….weight` tensors to store as MXFP4; they must be routed-expert
-    weights (`mxfp4.EXPERT_TARGET`: vLLM's K3 loader reads no other module as MXFP4) with an input dim
-    divisible by 32. Returns the `quantization_config` to put into config.json, or None when nothing was
-    quantized."""
+    `quantize(name) -> bool` picks the `….weight` tensors to store as MXFP4 (`quantize="mxfp4"`: every
+    routed-expert weight); they must be routed-expert weights (`mxfp4.EXPERT_TARGET`: vLLM's K3 loader reads
+    no other module as MXFP4) with an input dim divisible by 32. Returns the `quantization_config` to put
+    into config.json, or None when nothing was quantized."""
     if max_shard_bytes <= 0:
         raise ValueError(f"write_weights: max_shard_bytes must be positive, got {max_shard_bytes}")
+    if isinstance(quantize, str):
+        if quantize != "mxfp4":
+            raise ValueError(f"write_weights: quantize must be 'mxfp4', a predicate on names, or None; got {quantize!r}")
+        quantize = _is_routed_expert
     out: dict[str, torch.Tensor] = {}
     quantized = False
     for name, t in tensors.items():
@@ -107,6 +111,10 @@ def write_weights(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return mxfp4.quantization_config() if quantized else None
+
+
+def _is_routed_expert(name: str) -> bool:
+    return name.endswith(_WEIGHT) and mxfp4.matches_target(name[: -len(_WEIGHT)])
 
 
 def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:

@@ -168,8 +168,12 @@ def test_quantize_refuses_non_experts_and_bad_shapes(tmp_path):
     name = "model.layers.1.block_sparse_moe.experts.0.w2.weight"
     with pytest.raises(ValueError, match=rf"{name} \(32, 16\) cannot be MXFP4"):
         write_weights(tmp_path, {name: torch.ones(32, 16)}, quantize=_experts)
-    cfg = write_weights(tmp_path, {name: torch.ones(32, 64)}, quantize=_experts)
+    cfg = write_weights(tmp_path, {name: torch.ones(32, 64), "lm_head.weight": torch.ones(4, 32)}, quantize="mxfp4")
     assert cfg == mxfp4.quantization_config()
+    assert json.loads((tmp_path / INDEX_NAME).read_text())["weight_map"].keys() == {
+        "lm_head.weight", name.replace(".weight", ".weight_packed"), name.replace(".weight", ".weight_scale")}
+    with pytest.raises(ValueError, match="quantize must be 'mxfp4'"):
+        write_weights(tmp_path, {name: torch.ones(32, 64)}, quantize="nvfp4")
     # Quantized tensors but no config.json to say so.
     with pytest.raises(ValueError, match=r"experts.0.w2.weight_packed is quantized but .*config.json has no quantization_config"):
         read_weights(tmp_path)

@@ -90,13 +90,14 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     """One learner step in this process: seconds, peak RSS (GiB), and the floor's seconds."""
     import torch
 
+    from model.hf_layout import save_model
     from model.modeling import K3ForCausalLM
     from rl.learner import Learner, LearnerConfig
 
     config = tiny_config(length, kda_only)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        K3ForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        save_model(K3ForCausalLM(config), tmp)
         learner = Learner(LearnerConfig(model_path=tmp, lr=1e-5, segment_tokens=segment, share_prefix=False,
                                         micro_batch_tokens=length + 1))
     warm = min(length, 2 * segment + 100) if segment else min(length, 4096)  # first calls of each path cost more

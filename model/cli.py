@@ -1,10 +1,16 @@
-"""`k3rl params` and `k3rl init`: parameter counts of a model recipe, and a fresh HF model directory.
+"""`k3rl params`, `k3rl init` and `k3rl export`: parameter counts of a model recipe, a fresh HF model directory,
+and a K3 directory rewritten in a released layout.
 
 `params CONFIG [--json]` prints `model.params.count_parameters`: total and active-per-token
 parameters by component, counted on the meta device.
 
 `init CONFIG OUT_DIR` writes a randomly initialised `K3ForCausalLM` (and its tokenizer) as a
-Hugging Face directory with `model.init.init_model`.
+Hugging Face directory with `model.init.init_model`, in the layout its config chooses (model/hf_layout.py).
+
+`export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4]` reads a K3 directory in any layout k3rl
+reads (the two released ones, k3rl's old `k3rl_k3` one) and writes it in the chosen layout (default: the one
+its config chooses), weights in the dtype they were saved in, the tokenizer copied; `--quantize mxfp4`
+stores the routed experts in MXFP4, which is lossy (4-bit values, one shared power-of-two scale per 32).
 CONFIG is any recipe with a `model:` section, read by the job loader (`rl.config.load_model_config`:
 `base:` recipes, dotted overrides with or without the `model.` prefix). Both commands parse their
 arguments before importing torch.
@@ -85,4 +91,53 @@ def init_main(argv: list[str]) -> int:
         print(f"k3rl init: {e}", file=sys.stderr)
         return 2
     print(result.line())
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4]: a K3 directory in a released layout."""
+    parser = argparse.ArgumentParser(prog="k3rl export", description=export_main.__doc__)
+    parser.add_argument("src", help="K3 directory in any layout k3rl reads (kimi_linear, kimi_k3, old k3rl_k3)")
+    parser.add_argument("dst", help="directory to create (must not exist or be empty)")
+    parser.add_argument("--layout", choices=("kimi_linear", "kimi_k3"), default=None,
+                        help="layout to write (default: the config's checkpoint_layout rule)")
+    parser.add_argument("--quantize", choices=("mxfp4",), default=None,
+                        help="store the routed experts in MXFP4 (compressed-tensors): LOSSY")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.dst) and os.listdir(args.dst):
+        print(f"k3rl export: {args.dst} exists and is not empty", file=sys.stderr)
+        return 2
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from model import hf_layout
+
+    src, dst = Path(args.src), Path(args.dst)
+    try:
+        raw = hf_layout.raw_config(src)
+        if raw.get("model_type") not in hf_layout.MODEL_TYPES:
+            raise ValueError(f"{src / hf_layout.CONFIG_FILE}: model_type {raw.get('model_type')!r} is not a K3 "
+                             f"layout ({', '.join(hf_layout.MODEL_TYPES)})")
+        text = raw.get("text_config", raw)
+        dtype_name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"{src / hf_layout.CONFIG_FILE}: dtype {dtype_name!r} is not a floating-point type")
+        model = hf_layout.load_model(src, dtype=dtype)
+        tokenizer = src if any(hf_layout.TOKENIZER_FILES.match(p.name) for p in src.iterdir()) else None
+        tmp = dst.parent / f".{dst.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        hf_layout.save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize)
+    except (OSError, ValueError) as e:
+        print(f"k3rl export: {e}", file=sys.stderr)
+        return 2
+    if dst.exists():
+        dst.rmdir()
+    os.replace(tmp, dst)
+    layout = args.layout or hf_layout.layout_for(model.config)
+    lossy = ", routed experts in MXFP4 (lossy)" if args.quantize else ""
+    print(f"wrote {dst}: layout {layout}, {str(dtype).removeprefix('torch.')}{lossy}"
+          f"{', tokenizer copied' if tokenizer else ''}")
     return 0

@@ -411,6 +411,14 @@ def read_released(directory: str | Path) -> dict[str, torch.Tensor]:
     return {**read_weights(directory), **_patch_weights(directory)}
 
 
+def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The internal state dict (experts stacked, patch weights included) of a K3 directory in any layout, not
+    checked against a config: for a caller that checks it against its own model (the learner's `load`)."""
+    tensors = read_released(directory)
+    native = {n: tensors.pop(n) for n in list(tensors) if n.startswith(NATIVE_PREFIX)}
+    return {**from_released_names(tensors), **native}
+
+
 def _skip_unbuilt(tensors: dict[str, torch.Tensor], raw: Mapping[str, Any], config: Any,
                   directory: Path) -> dict[str, torch.Tensor]:
     """Drop what k3rl does not build (released ViT and projector, MTP layers, rotary caches), saying so."""
@@ -505,7 +513,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
 
 _OWN_FILES = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
                         + re.escape(PATCH_FILE) + r")$")
-_TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template\..*|"
+TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template\..*|"
                               r"vocab\..*|merges\.txt|.*\.tiktoken|tokenization_.*\.py|spiece\.model)$")
 
 
@@ -518,7 +526,7 @@ def copy_tokenizer(source: Any, directory: str | Path) -> None:
         source.save_pretrained(directory)
         return
     source = Path(source)
-    files = [p for p in sorted(source.iterdir()) if p.is_file() and _TOKENIZER_FILES.match(p.name)] \
+    files = [p for p in sorted(source.iterdir()) if p.is_file() and TOKENIZER_FILES.match(p.name)] \
         if source.is_dir() else []
     if not files:
         raise FileNotFoundError(f"tokenizer_from: {source} holds no tokenizer files (tokenizer.json, "
@@ -583,7 +591,8 @@ def register_auto_config() -> None:
     AutoConfig.register("kimi_k3", KimiK3DirectoryConfig, exist_ok=True)
 
 
-__all__ = ["CONFIG_FILE", "INDEX_FILE", "LAYOUTS", "MODEL_TYPES", "OLD_MODEL_TYPE", "PATCH_FILE", "CheckpointError",
-           "config_from_dict", "copy_tokenizer", "from_released_names", "is_k3_dir", "layout_for", "load_model",
-           "model_type_of", "native_weights", "raw_config", "read_config", "read_released", "register_auto_config",
-           "released_config", "save_model", "text_config_dict", "to_released_names"]
+__all__ = ["CONFIG_FILE", "INDEX_FILE", "LAYOUTS", "MODEL_TYPES", "OLD_MODEL_TYPE", "PATCH_FILE", "TOKENIZER_FILES",
+           "CheckpointError", "config_from_dict", "copy_tokenizer", "from_released_names", "is_k3_dir", "layout_for",
+           "load_model", "model_type_of", "native_weights", "raw_config", "read_config", "read_released",
+           "read_state_dict", "register_auto_config", "released_config", "save_model", "text_config_dict",
+           "to_released_names"]

@@ -1,5 +1,8 @@
 """`init_model`: a randomly initialised K3 (and, for small vocabularies, its tokenizer) as a Hugging Face directory.
 
+The directory is in the released layout the config chooses (model/hf_layout.py `layout_for`: `kimi_k3` with
+images on, else `kimi_linear`), readable by vLLM and by transformers with `trust_remote_code=True`.
+
 What `k3rl init` (model/cli.py) and the SFT and quickstart drivers call. The directory is written to
 a temporary sibling and renamed, so a crash never leaves half a directory. The tokenizer is a
 byte-level BPE trained on the built-in wiki text and the environments' tool protocol
@@ -46,6 +49,7 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool 
     Raises ValueError if `out_dir` exists and is not empty, or the weights do not fit in memory."""
     import torch
 
+    from model.hf_layout import save_model
     from model.modeling import K3ForCausalLM
 
     out_dir = Path(out_dir)
@@ -60,9 +64,7 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool 
     tmp = out_dir.parent / f".{out_dir.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    if tok is not None:
-        tok.save_pretrained(tmp)
+    save_model(model, tmp, tokenizer_from=tok)
     if out_dir.exists():
         out_dir.rmdir()
     os.replace(tmp, out_dir)

@@ -2,8 +2,9 @@
 toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supervised.py), the native engine
 (rollout/torch_engine.py) and the self-check ask one object instead of each probing the model.
 
-- `load_policy(path, dtype, device)`: an HF directory (config.json required); K3 is registered with the
-  Auto classes only when transformers does not know the directory's model type, dropout is switched off.
+- `load_policy(path, dtype, device)`: an HF directory (config.json required); a K3 directory (released
+  layouts or k3rl's old one, by config.json's model_type) is read by model/hf_layout.py, any other causal LM
+  by transformers' Auto classes; dropout is switched off.
 - `is_k3`: answered once, by type.
 - `final_hidden(input_ids, attention_mask, routed_expert_ids, rows, position_ids)`: the hidden states the LM
   head reads. K3 returns its pre-norm state (`return_hidden_states=True`) and the final norm is applied
@@ -25,7 +26,6 @@ A third model family costs one subclass that overrides these.
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,25 +35,19 @@ from torch import nn
 from model.logprobs import selected_logprobs
 
 
-def _register_k3() -> None:
-    import model.modeling  # noqa: F401  (registers k3rl's own model type with the Auto classes)
-
-
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 dropout: bool = False) -> "Policy":
-    """The policy of an HF directory (K3 or any causal LM) in `dtype` on `device`; its dropout is switched
-    off (RL compares the policy with itself) unless `dropout`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    """The policy of an HF directory (K3 in any layout model/hf_layout.py reads, or any causal LM) in `dtype` on
+    `device`; its dropout is switched off (RL compares the policy with itself) unless `dropout`."""
+    from model import hf_layout
 
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    if hf_layout.is_k3_dir(path):  # K3 has no dropout
+        return Policy(hf_layout.load_model(path, dtype=dtype, device=device))
+    if not (path / hf_layout.CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    # K3's config class may be registered (model/config.py imported) before its model class (model/modeling.py)
-    if model_type not in CONFIG_MAPPING or model_type == "k3rl_k3":
-        _register_k3()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(path)
     for name, value in list(config.to_dict().items()):
         if not dropout and (name.endswith("dropout") or name.endswith("_pdrop")) and isinstance(value, float):

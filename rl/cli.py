@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("rl.sft:main", "sft CONFIG [key=value…]: supervised warm start on oracle demonstrations (the learner, nll objective)"),
     "params": ("model.cli:params_main", "params CONFIG [key=value…] [--json]: total and active parameters by component"),
     "init": ("model.cli:init_main", "init CONFIG OUT_DIR [key=value…]: random-init K3 model (+ tokenizer) as an HF dir"),
+    "export": ("model.cli:export_main", "export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4]: a K3 dir "
+               "(any layout) rewritten in a released layout"),
     "envs": ("envs.registry:main", "list the registered environments, one line each"),
     "corpus": ("envs.corpus_cli:main", "corpus build CONFIG|NAME [key=value…] [--rebuild]: build and cache a corpus index"),
 }

@@ -14,7 +14,6 @@ by runner); `describe()` says which backend and model, for results.json. A task 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -89,7 +88,9 @@ def check_evaluated(cfg: Any) -> None:
 
         from rollout.worker import check_engine_args
 
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        from model.hf_layout import model_type_of
+
+        model_type = model_type_of(path)
         if model_type == "k3rl_k3" or (model_type in K3_MODEL_TYPES and not torch.cuda.is_available()):
             why = ("vLLM does not load k3rl's K3 layout (model_type k3rl_k3), and its own K3 kernels need CUDA"
                    if model_type == "k3rl_k3" else f"vLLM's K3 kernels (model_type {model_type}) need CUDA")
@@ -133,9 +134,12 @@ class ModelRunner:
             from omegaconf import OmegaConf
             from transformers import AutoConfig
 
+            from model import hf_layout
             from rollout.vllm_engine import VLLMEngine
 
-            text = AutoConfig.from_pretrained(model_path).get_text_config()
+            # a K3 directory through k3rl's reader (transformers' own kimi_linear is another model)
+            text = (hf_layout.read_config(model_path) if hf_layout.is_k3_dir(model_path)
+                    else AutoConfig.from_pretrained(model_path).get_text_config())
             self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
             args = OmegaConf.to_container(cfg.rollout.engine_args, resolve=True) or {}
             self.engine = VLLMEngine(model_path, max_model_len=self.limit(), seed=cfg.run.seed, **args)

@@ -39,8 +39,9 @@ of the balancing statistics (both are arguments of the model's router: model/moe
 `Router.forward`). After each step `rl.router_balance.balance_routers` updates the router
 biases from the step's statistics (reduced over ranks) and reports MaxVio per MoE layer.
 
-Checkpoints (`save`, `save_into`, `load`): a Hugging Face directory (`save_pretrained`,
-safetensors, the tokenizer when the model directory has one) plus `optimizer.pt` (optimizer
+Checkpoints (`save`, `save_into`, `load`): a Hugging Face directory (K3: the released layout its config
+chooses, model/hf_layout.py; other models: `save_pretrained`; safetensors, the tokenizer when the model
+directory has one) plus `optimizer.pt` (optimizer
 states, `version`; rank 0) and `rng-rank{r}.pt` (each rank's RNG states). `save` is atomic on
 its own (`rl.checkpoint.atomic_dir`); the trainer writes the learner and its own state into one
 `CheckpointManager.begin(step)` directory with `save_into` and `save_trainer_state`.
@@ -80,6 +81,7 @@ from rl.algos.base import Algorithm, LossInputs
 from rl import segments
 from rl.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, split_documents, to_train_sequence
 from rl.config import LearnerSettings
+from model import hf_layout
 from model.hf_names import stack_experts
 from model.policy import Policy, load_policy
 from rl.optim import build_optimizers, build_schedulers, restore_schedulers
@@ -447,8 +449,12 @@ class Learner:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            self.model.save_pretrained(directory, safe_serialization=True)
-            self._save_tokenizer(directory)
+            if self.policy.is_k3:  # the released layout the model config chooses (model/hf_layout.py)
+                tokenizer = self.tokenizer_path if (self.tokenizer_path / "tokenizer_config.json").is_file() else None
+                hf_layout.save_model(self.model, directory, tokenizer_from=tokenizer)
+            else:
+                self.model.save_pretrained(directory, safe_serialization=True)
+                self._save_tokenizer(directory)
             torch.save({"version": self.version, "optimizers": [o.state_dict() for o in self.optimizers],
                         "world_size": self.world_size, "optimizer": self.cfg.optimizer},
                        directory / OPTIMIZER_FILE)
@@ -505,13 +511,16 @@ class Learner:
         from safetensors.torch import load_file
 
         try:
-            weights = {}
-            for file in sorted(path.glob("*.safetensors")):
-                weights.update(load_file(file))
+            if self.policy.is_k3:  # any K3 layout, internal names (model/hf_layout.py)
+                weights = hf_layout.read_state_dict(path)
+            else:
+                weights = {}
+                for file in sorted(path.glob("*.safetensors")):
+                    weights.update(load_file(file))
+                weights = stack_experts(weights)
             state = torch.load(opt_file, map_location=self.device, weights_only=False)
         except Exception as e:  # truncated or foreign files: name the checkpoint
             raise ckpt.CorruptCheckpointError(f"{path}: cannot read the learner state ({type(e).__name__}: {e})") from e
-        weights = stack_experts(weights)  # per-expert names on disk (model/hf_names.py)
         model_state = self.model.state_dict()
         # tied tensors (e.g. lm_head.weight = embed_tokens.weight) are saved once, under one name
         shared: dict[int, set[str]] = {}

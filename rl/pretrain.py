@@ -51,11 +51,9 @@ def model_config(cfg: Any):
             path = Path(cfg.pretrain.model_dir)
             if not (path / "config.json").is_file():
                 raise ConfigError(f"pretrain.model_dir: {path} is not a Hugging Face model directory (no config.json)")
-            from transformers import AutoConfig
+            from model.hf_layout import read_config
 
-            import model  # noqa: F401  (registers K3 with the Auto classes)
-
-            return AutoConfig.from_pretrained(path)
+            return read_config(path)
         return K3Config.from_model_config(cfg.model)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None

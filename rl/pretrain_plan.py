@@ -602,7 +602,9 @@ def plan_from_job(cfg: Any) -> tuple[str, list[StagePlan]]:
         if not (Path(pre.model_dir) / "config.json").is_file():
             raise ValueError(f"pretrain.model_dir: {pre.model_dir} is not a Hugging Face model directory "
                              f"(no config.json)")
-        config = K3Config.from_pretrained(pre.model_dir)
+        from model.hf_layout import read_config
+
+        config = read_config(pre.model_dir)
         name = str(pre.model_dir)
     else:
         config = K3Config.from_model_config(cfg.model)

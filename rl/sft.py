@@ -36,12 +36,18 @@ SFT_HEADLINE = (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm"), ("tr
 
 
 def save_model(model, tokenizer, target: str | Path) -> Path:
-    """Write an HF directory (model + tokenizer) to a temporary sibling, then rename it to `target`."""
+    """Write an HF directory (model + tokenizer; K3 in the released layout its config chooses,
+    model/hf_layout.py) to a temporary sibling, then rename it to `target`."""
+    from model.hf_layout import save_model as save_k3
+    from model.modeling import K3ForCausalLM
     from rl.checkpoint import atomic_dir
 
     with atomic_dir(target, kind="sft-model") as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if isinstance(model, K3ForCausalLM):
+            save_k3(model, tmp, tokenizer_from=tokenizer)
+        else:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     return Path(target)
 
 

@@ -66,9 +66,6 @@ def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str
     """Raise ValueError unless `partial_resume` can run on this engine and model: `keep_state` needs an engine
     that keeps each episode's decode state across a weight update — the native one, on a K3 model, with
     `reuse_state` on. vLLM's prefix cache is its own and cannot outlive a weight update here."""
-    import json
-    from pathlib import Path
-
     if partial_resume not in ("reprefill", "keep_state"):
         raise ValueError(f"rollout.partial_resume: {partial_resume!r}; choose reprefill or keep_state")
     if partial_resume == "reprefill":
@@ -79,9 +76,10 @@ def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str
     if engine_args.get("reuse_state") is False:
         raise ValueError("rollout.partial_resume=keep_state continues the native engine's session states, which "
                          "rollout.engine_args.reuse_state=false turns off")
-    config = Path(model_dir) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    if model_type != "k3rl_k3":
+    from model.hf_layout import MODEL_TYPES, model_type_of
+
+    model_type = model_type_of(model_dir)
+    if model_type not in MODEL_TYPES:  # any K3 layout (model/hf_layout.py)
         raise ValueError(f"rollout.partial_resume=keep_state: the native engine keeps session states of K3 models "
                          f"only; {model_dir} is {model_type!r} (use partial_resume=reprefill)")
 

@@ -1,6 +1,7 @@
 """Tests of model/hf_names.py and the expert conversion at save/load: checkpoints are written with per-expert
-Hugging Face names, a checkpoint written before the experts were stacked (tests/fixtures/k3_per_expert,
-saved by commit abce9f0) loads and computes what it computed then, and malformed expert sets are named."""
+Hugging Face names; k3rl's old layout (model_type k3rl_k3) still reads, with a message: a checkpoint written
+before the experts were stacked (tests/fixtures/k3_per_expert, saved by commit abce9f0) loads and computes what
+it computed then, one with images keeps its patch weight; malformed expert sets are named."""
 
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ def test_stack_names_missing_expert_and_mismatched_shapes():
         stack_experts(w)
 
 
-def test_save_pretrained_writes_per_expert_names(tmp_path):
+def test_saved_checkpoints_hold_per_expert_names(tmp_path):
+    from model.hf_layout import INDEX_FILE, save_model
+
     model = make_model(seed=2, dtype=torch.float32)
-    model.save_pretrained(tmp_path)
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+    save_model(model, tmp_path)
+    (shard,) = set(json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"].values())
+    with safe_open(str(tmp_path / shard), "pt") as f:
         keys = set(f.keys())
         assert {f"model.layers.1.block_sparse_moe.experts.{e}.w{i}.weight" for e in range(4) for i in (1, 2, 3)} <= keys
         assert not any(k.endswith(("experts.w1", "experts.w2", "experts.w3")) for k in keys)
@@ -49,11 +53,29 @@ def test_save_pretrained_writes_per_expert_names(tmp_path):
                                    model.model.layers[2].block_sparse_moe.experts.w3[1])
 
 
+def test_old_layout_with_images_reads_with_a_message(tmp_path):
+    """k3rl's old layout (transformers' save_pretrained, model_type k3rl_k3, the patch weight among the others)."""
+    from model.hf_layout import load_model
+
+    model = make_model(seed=4, media_placeholder_token_id=3, image_patch_size=2)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "k3rl_k3"
+    with pytest.warns(UserWarning, match=r"old checkpoint layout \(model_type k3rl_k3\) was converted.*k3rl export"):
+        loaded = load_model(tmp_path, dtype=torch.float64)
+    ids = torch.randint(4, 97, (1, 12))
+    ids[0, 2] = 3
+    pix = torch.randn(3, 2, 2, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, pixel_values=[pix]).logits, model(ids, pixel_values=[pix]).logits,
+                                   atol=0, rtol=0)
+
+
 def test_checkpoint_saved_before_stacking_loads_unchanged():
     from model.policy import load_policy
 
     expected = json.loads((FIXTURE / "expected.json").read_text())
-    policy = load_policy(FIXTURE)
+    with pytest.warns(UserWarning, match="k3rl_k3"):
+        policy = load_policy(FIXTURE)
     ids = torch.tensor(expected["input_ids"])
     with torch.no_grad():
         out = policy.model(ids)

@@ -1,13 +1,21 @@
-"""Checkpoint format: every tensor name and shape of the spec's tables (§4.2–4.7) for K3 and
-Kimi-Linear layouts, and nothing else; save_pretrained / from_pretrained (Auto classes) gives
-identical logits; bf16 loading keeps the fp32 tensors fp32."""
+"""Checkpoint layouts (model/hf_layout.py): every tensor name and shape of the spec's tables (§4.2–4.7) for the
+K3 and Kimi-Linear layers, written under each released layout's names (kimi_k3: `language_model.` prefix, patch
+weights outside the index), and nothing else; config.json as the released configs spell it; save → load gives
+identical logits with images on and off (bf16 keeps the fp32 tensors fp32); released spellings and the parts
+k3rl does not build are read; a damaged directory is an error naming the tensor, file or key."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
+import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from k3_factory import make_config, make_model
+from model import hf_layout
 from model.hf_names import split_experts
 
 
@@ -73,35 +81,145 @@ def state_shapes(model) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in split_experts(model.state_dict().items())}
 
 
-def test_k3_layout_names_and_shapes():
-    cfg = make_config(num_hidden_layers=5, kda_layers=(1, 2, 4), routed_expert_hidden_size=16, latent_moe_use_norm=True,
-                      moe_layer_freq=2, first_k_dense_replace=1)
-    assert state_shapes(make_model(cfg)) == expected_tensors(cfg)
+def disk_shapes(directory) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors the index lists, read from the files it names."""
+    index = json.loads((directory / hf_layout.INDEX_FILE).read_text())["weight_map"]
+    out = {}
+    for file in sorted(set(index.values())):
+        with safe_open(str(directory / file), "pt") as f:
+            for k in f.keys():
+                assert index[k] == file, k
+                out[k] = tuple(f.get_slice(k).get_shape())
+    assert out.keys() == index.keys()
+    return out
 
 
-def test_kimi_linear_layout_names_and_shapes():
-    cfg = make_config(linear_attn_config={"use_full_rank_gate": False}, q_lora_rank=None, attn_res_block_size=None,
-                      mla_use_output_gate=False, first_k_dense_replace=2)
-    assert state_shapes(make_model(cfg)) == expected_tensors(cfg)
+K3_CFG = dict(num_hidden_layers=5, kda_layers=(1, 2, 4), routed_expert_hidden_size=16, latent_moe_use_norm=True,
+              moe_layer_freq=2, first_k_dense_replace=1, media_placeholder_token_id=3, image_patch_size=2)
+KIMI_LINEAR_CFG = dict(linear_attn_config={"use_full_rank_gate": False}, q_lora_rank=None, attn_res_block_size=None,
+                       mla_use_output_gate=False, first_k_dense_replace=2)
 
 
-def test_save_load_round_trip_identical_logits(tmp_path):
-    model = make_model(mla_use_nope=False, media_placeholder_token_id=3, image_patch_size=2)
+@pytest.mark.parametrize("layout,kw", [("kimi_k3", K3_CFG), ("kimi_linear", KIMI_LINEAR_CFG)])
+def test_layout_names_shapes_and_config(tmp_path, layout, kw):
+    cfg = make_config(**kw)
+    model = make_model(cfg, dtype=torch.float32)
+    expected = expected_tensors(cfg)
+    assert state_shapes(model) == expected | ({"model.patch_embed.proj.weight": (32, 12)} if layout == "kimi_k3"
+                                              else {})
+    assert hf_layout.layout_for(cfg) == layout
+    hf_layout.save_model(model, tmp_path, max_shard_bytes=40_000)
+    prefix = "language_model." if layout == "kimi_k3" else ""
+    assert disk_shapes(tmp_path) == {prefix + k: v for k, v in expected.items()}
+    assert len(set(json.loads((tmp_path / hf_layout.INDEX_FILE).read_text())["weight_map"].values())) > 1
+    raw = json.loads((tmp_path / "config.json").read_text())
+    arch = {"kimi_k3": "KimiK3ForConditionalGeneration", "kimi_linear": "KimiLinearForCausalLM"}[layout]
+    assert raw["model_type"] == layout and raw["architectures"] == [arch]
+    assert raw["auto_map"]["AutoModelForCausalLM"] == f"modeling_kimi_k3.{arch}"
+    text = raw["text_config"] if layout == "kimi_k3" else raw
+    assert text["model_type"] == "kimi_linear" and text["dtype"] == "float32"
+    assert text["linear_attn_config"]["kda_layers"] == cfg.linear_attn_config["kda_layers"]
+    assert (text["use_grouped_topk"], text["topk_method"], text["num_nextn_predict_layers"]) == (True, "noaux_tc", 0)
+    assert all(text[k] == v for k, v in cfg.model_config_dict().items() if k != "checkpoint_layout")
+    if layout == "kimi_k3":
+        assert raw["media_placeholder_token_id"] == 3 and raw["vision_config"]["text_hidden_size"] == 32
+        assert raw["ignore_index"] == -100 and "architectures" not in text
+        assert load_file(tmp_path / hf_layout.PATCH_FILE).keys() == {"model.patch_embed.proj.weight"}
+    else:
+        assert not (tmp_path / hf_layout.PATCH_FILE).exists()
+
+
+@pytest.mark.parametrize("media", [None, 3], ids=["text", "images"])
+def test_save_load_round_trip_identical_logits(tmp_path, media):
+    model = make_model(mla_use_nope=False, media_placeholder_token_id=media, image_patch_size=2)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_()  # a trained bias must survive the round trip
-    model.save_pretrained(tmp_path)
-    assert AutoConfig.from_pretrained(tmp_path).model_type == "k3rl_k3"
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
-    assert type(loaded).__name__ == "K3ForCausalLM"
+    hf_layout.save_model(model, tmp_path)
+    loaded = hf_layout.load_model(tmp_path, dtype=torch.float64)
+    assert loaded.config.model_config_dict() == model.config.model_config_dict()
     ids = torch.randint(4, 97, (2, 21))
     ids[0, 5:7] = 3
-    pix = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    kw = {} if media is None else {"pixel_values": torch.randn(1, 3, 2, 4, dtype=torch.float64)}
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids, pixel_values=pix).logits, model(ids, pixel_values=pix).logits, atol=0, rtol=0)
-    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    dtypes = {n: t.dtype for n, t in bf16.state_dict().items()}
-    for name, dt in dtypes.items():
+        torch.testing.assert_close(loaded(ids, **kw).logits, model(ids, **kw).logits, atol=0, rtol=0)
+    bf16 = hf_layout.load_model(tmp_path, dtype=torch.bfloat16)
+    for name, t in bf16.state_dict().items():
         fp32 = name.endswith(("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias"))
-        assert dt == (torch.float32 if fp32 else torch.bfloat16), name
+        assert t.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+
+
+def test_released_spellings_defaults_and_unbuilt_parts(tmp_path):
+    """A directory as the released K3 writes it: `language_model.layers.` spelling, no k3rl keys (released
+    defaults apply), its ViT and an MTP layer (skipped, with a message), the media token of the real vocabulary."""
+    model = make_model(checkpoint_layout="kimi_k3", hidden_act="silu")
+    src = tmp_path / "src"
+    hf_layout.save_model(model, src)
+    raw = json.loads((src / "config.json").read_text())
+    text = raw["text_config"]
+    for key in ("router_balance", "image_patch_size", "image_num_channels", "checkpoint_layout", "hidden_act",
+                "media_placeholder_token_id"):
+        del text[key]  # hidden_act: the released default is silu
+    text["num_nextn_predict_layers"] = 1
+    raw["media_placeholder_token_id"] = 163605
+    (src / "config.json").write_text(json.dumps(raw))
+    index = json.loads((src / hf_layout.INDEX_FILE).read_text())
+    (file,) = set(index["weight_map"].values())
+    tensors = {k.replace("language_model.model.layers.", "language_model.layers."): v
+               for k, v in load_file(src / file).items()}
+    extra = {"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3),
+             "language_model.model.layers.4.enorm.weight": torch.zeros(32)}
+    save_file(tensors, src / file)
+    save_file(extra, src / "model-extra.safetensors")
+    index["weight_map"] = {**{k: file for k in tensors}, **{k: "model-extra.safetensors" for k in extra}}
+    (src / hf_layout.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.warns(UserWarning, match="skipped 1 vision tower / projector tensors, 1 MTP layer tensors"):
+        loaded = hf_layout.load_model(src, dtype=torch.float64)
+    assert loaded.config.media_placeholder_token_id is None and loaded.config.checkpoint_layout == "kimi_k3"
+    assert loaded.config.model_config_dict() == model.config.model_config_dict() | {"media_placeholder_token_id": None}
+    ids = torch.randint(4, 97, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    bare = dict(text)
+    for key in ("attn_res_block_size", "mla_use_nope", "activation_situ_beta"):
+        del bare[key]
+    defaults = hf_layout.config_from_dict(bare)
+    assert (defaults.attn_res_block_size, defaults.mla_use_nope, defaults.activation_situ_beta) == (None, False, None)
+
+
+def test_damaged_directories_are_named(tmp_path):
+    src = tmp_path / "ok"
+    hf_layout.save_model(make_model(seed=3, dtype=torch.float32), src, max_shard_bytes=40_000)
+    weight_map = json.loads((src / hf_layout.INDEX_FILE).read_text())["weight_map"]
+
+    def damaged(name):
+        shutil.copytree(src, tmp_path / name)
+        return tmp_path / name
+
+    d = damaged("shard")
+    gone = sorted(set(weight_map.values()))[1]
+    (d / gone).unlink()
+    with pytest.raises(ValueError, match=f"{gone}.*missing|missing.*{gone}"):
+        hf_layout.load_model(d)
+    d = damaged("type")
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="config.json: model_type 'llama' is not a K3 layout"):
+        hf_layout.load_model(d)
+    d = damaged("shape")
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    file = weight_map[name]
+    tensors = load_file(d / file)
+    tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, d / file)
+    with pytest.raises(ValueError, match=f"tensor {name} in {file} has shape \\[3, 3\\], this config needs \\[16, 32\\]"):
+        hf_layout.load_model(d)
+    del tensors[name]
+    save_file(tensors, d / file)
+    with pytest.raises(ValueError, match=f"tensor {name} missing"):
+        hf_layout.load_model(d)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "num_experts_per_token": 9}))
+    with pytest.raises(ValueError, match="config.json: num_experts_per_token"):
+        hf_layout.read_config(d)

@@ -49,15 +49,14 @@ def test_params_table(capsys):
 
 
 def test_init_writes_a_loadable_model_and_tokenizer(tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
+    from model.hf_layout import load_model
     from model.tokenizer import load_tokenizer
 
     out = tmp_path / "tiny"
     assert init_main([str(ROOT / "configs/model/tiny.yaml"), str(out), "model.num_hidden_layers=4",
                       "model.linear_attn_config.kda_layers=[1,2,3]", "model.linear_attn_config.full_attn_layers=[4]"]) == 0
     assert "wrote" in capsys.readouterr().out
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = load_model(out)
     tok = load_tokenizer(str(out))
     assert len(tok) <= model.config.vocab_size
     assert tok.convert_tokens_to_ids("<|media_pad|>") == model.config.media_placeholder_token_id

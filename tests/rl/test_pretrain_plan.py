@@ -75,9 +75,9 @@ def _plan(config, seq_len: int, rows: int, segment: int | None, tokens: int | No
 @pytest.mark.parametrize("seq_len,rows,segment", [(512, 4, None), (2048, 1, None), (2048, 1, 512)],
                          ids=["512x4", "2048x1", "2048-in-512-segments"])
 def test_activation_memory_matches_a_real_step(tiny_dir, seq_len, rows, segment):
-    from model.config import K3Config
+    from model.hf_layout import read_config
 
-    config = K3Config.from_pretrained(tiny_dir)
+    config = read_config(tiny_dir)
     measured = _measure(tiny_dir, seq_len, rows, segment)
     assert measured["micro_batches"] == 1
     predicted = _plan(config, seq_len, rows, segment)
@@ -92,9 +92,9 @@ def test_activation_memory_matches_a_real_step(tiny_dir, seq_len, rows, segment)
 
 
 def test_optimizer_memory_matches_the_learners_states(tiny_dir):
-    from model.config import K3Config
+    from model.hf_layout import read_config
 
-    config = K3Config.from_pretrained(tiny_dir)
+    config = read_config(tiny_dir)
     measured = _measure(tiny_dir, 512, 4, None)
     predicted = _plan(config, 512, 4, None)
     assert predicted.optimizer_state_bytes == pytest.approx(measured["optimizer_state_bytes"], rel=0.02)

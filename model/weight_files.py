@@ -62,7 +62,8 @@ def write_weights(
         raise ValueError(f"write_weights: max_shard_bytes must be positive, got {max_shard_bytes}")
     if isinstance(quantize, str):
         if quantize != "mxfp4":
-            raise ValueError(f"write_weights: quantize must be 'mxfp4', a predicate on names, or None; got {quantize!r}")
+            raise ValueError(f"write_weights: quantize must be 'mxfp4', a predicate on names, or None; "
+                             f"got {quantize!r}")
         quantize = _is_routed_expert
     out: dict[str, torch.Tensor] = {}
     quantized = False
@@ -81,7 +82,8 @@ def write_weights(
             )
         if t.ndim != 2 or t.shape[1] % mxfp4.GROUP_SIZE != 0:
             raise ValueError(
-                f"write_weights: {name} {tuple(t.shape)} cannot be MXFP4: needs [out, in] with in divisible by {mxfp4.GROUP_SIZE}"
+                f"write_weights: {name} {tuple(t.shape)} cannot be MXFP4: needs [out, in] with in divisible by "
+                f"{mxfp4.GROUP_SIZE}"
             )
         out[module + _PACKED], out[module + _SCALE] = mxfp4.quantize(t)
         quantized = True
@@ -154,10 +156,12 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
     packed = {n[: -len(_PACKED)] for n in raw if n.endswith(_PACKED)}
     if packed and quant is None:
         name = min(packed) + _PACKED
-        raise ValueError(f"read_weights: {name} is quantized but {directory / 'config.json'} has no quantization_config")
+        raise ValueError(f"read_weights: {name} is quantized but {directory / 'config.json'} "
+                         f"has no quantization_config")
     weights: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
-        module = name[: -len(_SCALE)] if name.endswith(_SCALE) else name[: -len(_PACKED)] if name.endswith(_PACKED) else None
+        suffix = _SCALE if name.endswith(_SCALE) else _PACKED if name.endswith(_PACKED) else None
+        module = name[: -len(suffix)] if suffix else None
         if module is None or module not in packed:
             if name.endswith(_SCALE) and quant is not None:
                 raise ValueError(f"read_weights: {name} has no {module + _PACKED}")
@@ -165,6 +169,8 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
         elif name.endswith(_PACKED):
             if module + _SCALE not in raw:
                 raise ValueError(f"read_weights: {name} has no {module + _SCALE}")
+            if module + _WEIGHT in raw:
+                raise ValueError(f"read_weights: {module} is stored twice, as {_WEIGHT} and as {_PACKED}")
             try:
                 weights[module + _WEIGHT] = mxfp4.dequantize(t, raw[module + _SCALE])
             except (TypeError, ValueError) as e:

@@ -86,7 +86,8 @@ def test_zero_negative_zero_subnormal_huge():
     out = dequantize(packed, scale, torch.float32)
     assert torch.equal(out[0, :96], w[0, :96].clone().index_fill_(0, torch.tensor([65]), -0.0))
     assert torch.signbit(out[0, 33]) and torch.signbit(out[0, 65]) and not torch.signbit(out[0, 0])
-    assert out[0, 96:100].tolist() == [3.0 * 2**120, -(2.0**118), 0.0, 0.0]  # 2^116 and 1 are ≤ 1/8 of the scale 2^119
+    # 2^116 and 1 are at most 1/8 of the scale 2^119: zero.
+    assert out[0, 96:100].tolist() == [3.0 * 2**120, -(2.0**118), 0.0, 0.0]
     assert torch.equal(dequantize(packed, scale, torch.bfloat16)[0, 64:66].float(), torch.tensor([2.0**-128, -0.0]))
 
 

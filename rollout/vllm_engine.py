@@ -10,6 +10,15 @@ update (it holds KV computed with the old weights).
 
 A model with untied embeddings must receive `lm_head.weight` in every update: an update without
 it silently keeps the old output layer, so `load_weights` refuses such an update.
+
+K3 checkpoints (model/hf_layout.py: `model_type` `kimi_linear` or `kimi_k3`) are served by vLLM's own
+Kimi-K3 implementation (`KimiLinearForCausalLM` / `KimiK3ForConditionalGeneration`), on CUDA only: its
+KDA, MLA and SiTU-MoE kernels have no CPU path (a K3 directory on a CPU host is refused, naming the torch
+engine). A kimi_k3 directory is served language-model-only (`language_model_only=True` unless given): k3rl
+writes no ViT, and images reach k3rl's model through its own patch projection, which vLLM never sees. The
+learner sends its internal names (`model.*`, routed experts stacked `….experts.w1` [E, …]); `released_weights`
+turns them into the names of the directory's layout (experts one tensor each, `language_model.` for kimi_k3,
+the native patch weight left out) before vLLM's `load_weights` sees them.
 """
 
 from __future__ import annotations
@@ -26,6 +35,28 @@ import torch
 from rollout.engine import Completion, SamplingParams
 
 
+def k3_layout(config: dict) -> str | None:
+    """The K3 checkpoint layout (model/hf_layout.py `LAYOUTS`, named by `model_type`) of a config.json dict, or
+    None for any other model."""
+    from model.hf_layout import LAYOUTS
+
+    model_type = config.get("model_type")
+    return model_type if model_type in LAYOUTS else None
+
+
+def released_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     layout: str | None) -> list[tuple[str, torch.Tensor]]:
+    """Learner names → the names vLLM loads: for a K3 `layout`, k3rl's internal state-dict names become the
+    layout's released ones (model/hf_layout.py `to_released_names`: experts per expert, `language_model.` for
+    kimi_k3, `model.patch_embed.*` left out; any other name is refused, naming it); other models pass as they
+    are."""
+    if layout is None:
+        return list(named_tensors)
+    from model.hf_layout import to_released_names
+
+    return list(to_released_names(dict(named_tensors), layout).items())
+
+
 class VLLMEngine:
     """Serve any model vLLM supports from a local HF directory; see module docstring."""
 
@@ -34,6 +65,16 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.tied = bool(config.get("tie_word_embeddings", False))
+        self.layout = k3_layout(config)
+        if self.layout is not None and not torch.cuda.is_available():
+            raise ValueError(f"{self.model_dir}: a K3 checkpoint (model_type {self.layout}); vLLM's K3 kernels need "
+                             f"CUDA, so on this host serve it with the torch engine (rollout.engine=torch)")
+        if self.layout == "kimi_k3":
+            from model.hf_layout import register_auto_config
+
+            # the tokenizer is read through AutoConfig, which does not know kimi_k3
+            register_auto_config()
+            llm_kwargs.setdefault("language_model_only", True)
         if torch.cuda.is_available():
             import vllm
 
@@ -67,11 +108,11 @@ class VLLMEngine:
         return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        weights = [(name, t.detach().to("cpu").contiguous()) for name, t in named_tensors]
-        names = {name for name, _ in weights}
-        if not self.tied and "lm_head.weight" not in names:
+        named = list(named_tensors)
+        if not self.tied and "lm_head.weight" not in {name for name, _ in named}:
             raise ValueError("weight update lacks 'lm_head.weight': the model's output layer is untied, and vLLM "
                              "would silently keep the old one")
+        weights = [(name, t.detach().to("cpu").contiguous()) for name, t in released_weights(named, self.layout)]
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:

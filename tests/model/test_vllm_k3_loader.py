@@ -15,6 +15,8 @@ there); every vLLM tensor equals the k3rl tensors it is stacked from, by a packi
 from docs/model_spec.md §4.3-§4.8 (not from vLLM's code), so a wrong order or a swapped shard fails,
 not only a missing one. Buffers still NaN after loading must be exactly MLA's KV-cache quantisation
 scales (`_k_scale`, …), which vLLM's attention layer sets itself and a bf16 checkpoint never carries.
+Then a weight sync as VLLMEngine sends it (learner names through `rollout.vllm_engine.released_weights`)
+loads into the same tree and must replace every parameter with the new values.
 
 CUDA-only pieces switched off for construction only (`_cpu_construction`), each because `__init__`
 would fail on a CPU host otherwise:
@@ -244,3 +246,26 @@ def test_vllm_k3_loads_every_parameter_of_a_k3rl_checkpoint(layout, vllm_dist, t
     nan_buffers = {n for n, b in model.named_buffers() if b.is_floating_point() and torch.isnan(b).any()}
     assert {n.rpartition(".")[2] for n in nan_buffers} <= KV_CACHE_SCALES
     assert all(".self_attn." in n for n in nan_buffers)
+
+    # weight sync: the learner's internal names (stacked experts, the patch weight among them), mapped by
+    # VLLMEngine's `released_weights`, load into the same tree and replace every parameter
+    from rollout.vllm_engine import released_weights
+
+    gen = torch.Generator().manual_seed(5)
+    update = {n: t + torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in state.items()}
+    sync = released_weights(update.items(), layout)
+    assert len(sync) > len(update) - (layout == "kimi_k3")  # experts split, patch weight dropped
+    loaded = model.load_weights(iter(sync))
+    assert loaded == params
+    assert check_values(model, update, prefix, full_rank, padding) == len(params)
+
+
+def test_vllm_engine_refuses_k3_without_cuda(tmp_path):
+    """On a CPU host VLLMEngine names the torch engine for a K3 directory instead of failing inside vLLM."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host serves K3 through vLLM")
+    from rollout.vllm_engine import VLLMEngine
+
+    directory = save_k3(tiny_k3("kimi_k3"), tmp_path / "k3", "kimi_k3")
+    with pytest.raises(ValueError, match="torch engine"):
+        VLLMEngine(directory)

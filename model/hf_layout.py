@@ -43,6 +43,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from model.hf_names import split_experts, stack_experts
+from model.weight_files import read_extra, read_weights, write_extra, write_weights
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
 OLD_MODEL_TYPE = "k3rl_k3"
@@ -318,96 +319,23 @@ def _index_map(directory: Path) -> Optional[dict[str, str]]:
     return dict(weight_map)
 
 
-def _old_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The tensors of the old k3rl layout: the files its index lists, or `model.safetensors`."""
-    from safetensors.torch import load_file
-
-    weight_map = _index_map(directory)
-    files = sorted(set(weight_map.values())) if weight_map is not None else ["model.safetensors"]
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (directory / name).is_file():
-            raise CheckpointError(f"{directory}: weight file {name} is missing")
-        try:
-            out.update(load_file(directory / name))
-        except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-            raise CheckpointError(f"{directory / name}: cannot read ({type(e).__name__}: {e})") from e
-    return out
-
-
-# Storage shim, until model/weight_files.py (sharding, MXFP4) lands: same signatures, unquantized only.
-def write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = 4 << 30,
-                  quantize: Optional[str] = None) -> Optional[dict]:
-    from safetensors.torch import save_file
-
-    if quantize is not None:
-        raise ValueError(f"quantize={quantize!r}: needs model/weight_files.py")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        if shards[-1] and size + t.numel() * t.element_size() > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous().clone()
-        size += t.numel() * t.element_size()
-    weight_map = {}
-    for k, shard in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / fname, metadata={"format": "pt"})
-        weight_map |= {n: fname for n in shard}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                   indent=2) + "\n")
-    return None
-
-
-def read_weights(directory: Path, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if "quantization_config" in raw_config(directory):
-        raise CheckpointError(f"{directory}: quantized weights need model/weight_files.py")
-    weight_map = _index_map(directory)
-    if weight_map is None:
-        raise CheckpointError(f"{directory}: {INDEX_FILE} is missing")
-    out: dict[str, torch.Tensor] = {}
-    for fname in sorted(set(weight_map.values())):
-        if not (directory / fname).is_file():
-            raise CheckpointError(f"{directory}: weight file {fname} listed in {INDEX_FILE} is missing")
-        try:
-            out.update(load_file(directory / fname))
-        except Exception as e:
-            raise CheckpointError(f"{directory / fname}: cannot read ({type(e).__name__}: {e})") from e
-    return out
-
-
-def read_extra(directory: Path, filename: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(Path(directory) / filename)
-    except Exception as e:
-        raise CheckpointError(f"{Path(directory) / filename}: cannot read ({type(e).__name__}: {e})") from e
-
-
 def _patch_weights(directory: Path) -> dict[str, torch.Tensor]:
-    if not (directory / PATCH_FILE).is_file():
-        return {}
     return read_extra(directory, PATCH_FILE)
 
 
 def _file_of(directory: Path, weight_map: Optional[dict[str, str]], name: str) -> str:
     if name.startswith(NATIVE_PREFIX):
         return PATCH_FILE
-    return (weight_map or {}).get(name, "model.safetensors")
+    weight_map = weight_map or {}
+    packed = name.removesuffix(".weight") + ".weight_packed"  # an MXFP4 tensor is listed by its packed half
+    return weight_map.get(name) or weight_map.get(packed) or "model.safetensors"
 
 
 def read_released(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a K3 directory under its on-disk name (dequantized; `PATCH_FILE`'s included), before any
     check against a config: for tools that look at a checkpoint."""
     directory = Path(directory)
-    if raw_config(directory).get("model_type") == OLD_MODEL_TYPE:
-        return _old_weights(directory)
+    raw_config(directory)  # a named error for a missing or unreadable config.json
     return {**read_weights(directory), **_patch_weights(directory)}
 
 
@@ -557,10 +485,7 @@ def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = Non
     quantization = write_weights(directory, to_released_names(state, layout), quantize=quantize, **shard)
     native = native_weights(state)
     if native:
-        from safetensors.torch import save_file
-
-        save_file({n: t.detach().contiguous() for n, t in native.items()}, directory / PATCH_FILE,
-                  metadata={"format": "pt"})
+        write_extra(directory, PATCH_FILE, native)
     config = released_config(model.config, layout, dtype)
     if quantization is not None:
         config["quantization_config"] = quantization

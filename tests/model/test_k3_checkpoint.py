@@ -200,7 +200,7 @@ def test_damaged_directories_are_named(tmp_path):
     d = damaged("shard")
     gone = sorted(set(weight_map.values()))[1]
     (d / gone).unlink()
-    with pytest.raises(ValueError, match=f"{gone}.*missing|missing.*{gone}"):
+    with pytest.raises(FileNotFoundError, match=f"{gone} is listed in .*{hf_layout.INDEX_FILE} but missing"):
         hf_layout.load_model(d)
     d = damaged("type")
     raw = json.loads((d / "config.json").read_text())
@@ -217,6 +217,11 @@ def test_damaged_directories_are_named(tmp_path):
         hf_layout.load_model(d)
     del tensors[name]
     save_file(tensors, d / file)
+    with pytest.raises(KeyError, match=f"tensor {name} is mapped to {file} but that file lacks it"):
+        hf_layout.load_model(d)
+    index = json.loads((d / hf_layout.INDEX_FILE).read_text())
+    del index["weight_map"][name]
+    (d / hf_layout.INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"tensor {name} missing"):
         hf_layout.load_model(d)
     raw = json.loads((d / "config.json").read_text())

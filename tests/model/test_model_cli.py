@@ -1,6 +1,6 @@
 """`k3rl params` (meta-device counts: the published layout is ~2.78T total / ~105B active with 896
-routed experts; counts equal a real model's) and `k3rl init` (an HF directory that loads, with a
-tokenizer whose ids fit the config)."""
+routed experts; counts equal a real model's), `k3rl init` (an HF directory that loads, with a
+tokenizer whose ids fit the config) and `k3rl export` (any layout in, the chosen one out; MXFP4 said lossy)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3_factory import make_config
-from model.cli import count_parameters, init_main, params_main
+from model.cli import count_parameters, export_main, init_main, params_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,3 +80,31 @@ def test_params_and_init_read_any_recipe(tmp_path, capsys):
     assert "unknown config key 'model.no_such_key'" in capsys.readouterr().err
     assert params_main([str(ROOT / "configs/model/tiny.yaml"), "model.num_hidden_layers=5"]) == 2
     assert "model.linear_attn_config" in capsys.readouterr().err
+
+
+def test_export_rewrites_the_old_layout_and_quantizes_on_request(tmp_path, capsys):
+    from k3_factory import make_model
+    from model import hf_layout, mxfp4
+
+    old = ROOT / "tests/fixtures/k3_per_expert"
+    with pytest.warns(UserWarning, match="k3rl_k3"):
+        source = hf_layout.load_model(old)
+        assert export_main([str(old), str(tmp_path / "k3"), "--layout", "kimi_k3"]) == 0
+    assert "layout kimi_k3, float32" in capsys.readouterr().out
+    assert json.loads((tmp_path / "k3" / "config.json").read_text())["model_type"] == "kimi_k3"
+    ids = torch.tensor([[5, 9, 14, 2, 7, 7, 30]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_layout.load_model(tmp_path / "k3")(ids).logits, source(ids).logits, atol=0, rtol=0)
+
+    model = make_model(moe_intermediate_size=32, dtype=torch.float32)  # MXFP4 groups of 32 along every input
+    hf_layout.save_model(model, tmp_path / "src")
+    assert export_main([str(tmp_path / "src"), str(tmp_path / "q"), "--quantize", "mxfp4"]) == 0
+    assert "routed experts in MXFP4 (lossy)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
+    back = hf_layout.load_model(tmp_path / "q")
+    w = model.model.layers[1].block_sparse_moe.experts.w2.detach()
+    assert torch.equal(back.model.layers[1].block_sparse_moe.experts.w2, mxfp4.dequantize(*mxfp4.quantize(w), torch.float32))
+    assert not torch.equal(back.model.layers[1].block_sparse_moe.experts.w2, w)
+    assert torch.equal(back.lm_head.weight, model.lm_head.weight)  # only the routed experts are quantized
+    assert export_main([str(tmp_path / "src"), str(tmp_path / "q")]) == 2  # refuses a non-empty directory

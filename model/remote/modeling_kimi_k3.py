@@ -24,8 +24,7 @@ transformers and the standard library. It is a reference reader, written for rea
   `routed_scaling_factor`; latent MoE (down-projection, optional RMSNorm, up-projection) and shared
   experts; SiTU-GLU or SwiGLU for every gated MLP.
 
-Restrictions: no KV cache (every call recomputes the whole prefix; `generate` works with `use_cache=False`
-only); `attention_mask` may mark only left padding (zeros before each row's first token); no packed
+Restrictions: no KV cache (every call, and every `generate` step, recomputes the whole sequence); `attention_mask` may mark only left padding (zeros before each row's first token); no packed
 `position_ids`; no MTP layers (their tensors `model.layers.{L+j}.…` are skipped on load) and no vision
 tower (`KimiK3ForConditionalGeneration` is text-only: `vision_tower.*` / `mm_projector.*` tensors of a
 released checkpoint are skipped, and k3rl's native image-patch weight lives in
@@ -534,6 +533,16 @@ class KimiLinearForCausalLM(KimiPreTrainedModel, GenerationMixin):
         self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected) | set(
             _mtp_patterns(config, ""))
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # No cache: `generate` must hand the whole sequence to every step instead of a DynamicCache and new tokens.
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs) -> dict:
+        """Every `generate` step recomputes the whole sequence (tokens so far and their mask)."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
@@ -595,6 +604,14 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         self.post_init()
         self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected) | {
             r"^vision_tower\.", r"^mm_projector\.", *_mtp_patterns(config.text_config, "language_model.")}
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs) -> dict:
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.language_model.get_input_embeddings()

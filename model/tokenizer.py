@@ -86,4 +86,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """A tokenizer saved with `save_pretrained` (e.g. by `k3rl init`)."""
+    from model.hf_layout import register_auto_config
+
+    register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
     return AutoTokenizer.from_pretrained(path)

@@ -128,6 +128,9 @@ class ModelRunner:
     def __init__(self, cfg: Any, model_path: str, engine: str = "torch"):
         from transformers import AutoTokenizer
 
+        from model.hf_layout import register_auto_config
+
+        register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
         self.cfg, self.model_path, self.backend = cfg, str(model_path), engine
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if engine == "vllm":
@@ -328,6 +331,9 @@ class EndpointRunner:
     def _tokenizer(self):
         from transformers import AutoTokenizer
 
+        from model.hf_layout import register_auto_config
+
+        register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
         if self.cfg.eval.model_path is not None:
             return AutoTokenizer.from_pretrained(self.cfg.eval.model_path)
         try:

@@ -300,6 +300,9 @@ class Climb:
         (self.run_dir / CLIMB_FILE).write_text(json.dumps(self.identity, indent=1, default=str))
         self._write_plan()
         started = time.perf_counter()
+        from model.hf_layout import register_auto_config
+
+        register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
         tokenizer = AutoTokenizer.from_pretrained(self.start_model())
         self.load_data(tokenizer)
         previous: Optional[Path] = None

@@ -465,6 +465,9 @@ class Trainer:
         if self._tok is None:
             from transformers import AutoTokenizer
 
+            from model.hf_layout import register_auto_config
+
+            register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
             self._tok = AutoTokenizer.from_pretrained(str(self.rl.model_path))
         return self._tok
 

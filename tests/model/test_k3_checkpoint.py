@@ -125,6 +125,11 @@ def test_layout_names_shapes_and_config(tmp_path, layout, kw):
         assert raw["media_placeholder_token_id"] == 3 and raw["vision_config"]["text_hidden_size"] == 32
         assert raw["ignore_index"] == -100 and "architectures" not in text
         assert load_file(tmp_path / hf_layout.PATCH_FILE).keys() == {"model.patch_embed.proj.weight"}
+        from transformers import AutoConfig
+
+        # k3rl's own class for kimi_k3 (registered with K3Config): AutoTokenizer, which reads config.json first,
+        # finds local code and does not ask on stdin whether to run the directory's remote code
+        assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "KimiK3DirectoryConfig"
     else:
         assert not (tmp_path / hf_layout.PATCH_FILE).exists()
 

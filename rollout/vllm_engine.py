@@ -70,10 +70,6 @@ class VLLMEngine:
             raise ValueError(f"{self.model_dir}: a K3 checkpoint (model_type {self.layout}); vLLM's K3 kernels need "
                              f"CUDA, so on this host serve it with the torch engine (rollout.engine=torch)")
         if self.layout == "kimi_k3":
-            from model.hf_layout import register_auto_config
-
-            # the tokenizer is read through AutoConfig, which does not know kimi_k3
-            register_auto_config()
             llm_kwargs.setdefault("language_model_only", True)
         if torch.cuda.is_available():
             import vllm

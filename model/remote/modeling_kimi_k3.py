@@ -24,15 +24,19 @@ transformers and the standard library. It is a reference reader, written for rea
   `routed_scaling_factor`; latent MoE (down-projection, optional RMSNorm, up-projection) and shared
   experts; SiTU-GLU or SwiGLU for every gated MLP.
 
-Restrictions: no KV cache (every call, and every `generate` step, recomputes the whole sequence); `attention_mask` may mark only left padding (zeros before each row's first token); no packed
-`position_ids`; no MTP layers (their tensors `model.layers.{L+j}.…` are skipped on load) and no vision
-tower (`KimiK3ForConditionalGeneration` is text-only: `vision_tower.*` / `mm_projector.*` tensors of a
-released checkpoint are skipped, and k3rl's native image-patch weight lives in
-`k3rl_patch_embed.safetensors`, outside the index, which transformers never reads). Routed experts are
-one `nn.Linear` per projection and expert, so names match the checkpoint one to one and no conversion
-mapping is needed; transformers' own `kimi_linear` mapping (which would fuse them) is not applied to remote
-code. A checkpoint with MXFP4 experts (`quantization_config` compressed-tensors) is left to transformers'
-compressed-tensors support, which this file does not exercise.
+Restrictions: no KV cache (every call, and every `generate` step, recomputes the whole sequence);
+`attention_mask` may mark only left padding (zeros before each row's first token); no packed `position_ids`;
+no MTP layers (their tensors `model.layers.{L+j}.…` are skipped on load) and no vision tower
+(`KimiK3ForConditionalGeneration` is text-only: `vision_tower.*` / `mm_projector.*` tensors of a released
+checkpoint are skipped, and k3rl's native image-patch weight lives in `k3rl_patch_embed.safetensors`,
+outside the index, which transformers never reads). A checkpoint with MXFP4 experts (`quantization_config`
+compressed-tensors) is left to transformers' compressed-tensors support, which this file does not exercise.
+
+Loading: routed experts are one `nn.Linear` per projection and expert, so names match the checkpoint one to
+one and no conversion mapping is needed; transformers' own `kimi_linear` mapping (which would rename and
+fuse them) is skipped for remote code, unless something in the process registers a mapping for `kimi_linear`
+itself (`register_checkpoint_conversion_mapping`). Loading in bf16/fp16 keeps `A_log`, `dt_bias`, the conv
+weights and the routing bias in fp32 (`_keep_in_fp32_modules_strict`), as vLLM does.
 """
 
 from __future__ import annotations
@@ -101,8 +105,8 @@ class KimiRMSNorm(nn.Module):
 
 
 def glu_activation(config: KimiLinearConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiTU-GLU `β·tanh(g/β)·σ(g) ⊙ β_lin·tanh(u/β_lin)` (spec §8.3; β = activation_situ_beta or 1, no clip of u
-    when β_lin is null) or SwiGLU `silu(g) ⊙ u`."""
+    """SiTU-GLU `β·tanh(g/β)·σ(g) ⊙ β_lin·tanh(u/β_lin)` (spec §8.3; β = activation_situ_beta or 1, no clip
+    of u when β_lin is null) or SwiGLU `silu(g) ⊙ u`."""
     if config.hidden_act == "silu":
         return F.silu(gate) * up
     beta, linear_beta = config.activation_situ_beta or 1.0, config.activation_situ_linear_beta

@@ -6,15 +6,16 @@ q_lora and a full-rank q_proj, MoE with shared experts and latent MoE (with its 
 routers, grouped top-k, a non-zero selection bias, routed scaling, SiTU-GLU and SwiGLU, AttnRes, dense first
 layers, logit_scale, and (kimi_k3) images on, whose native patch weight stays outside the index.
 
-Each is saved by model/hf_layout.py `save_model` (which copies model/remote/*.py in); then ONE fresh Python process, whose imports of k3rl's packages
-(`model`, `kernels`, `rl`, `rollout`, `envs`) find nothing — the venv installs k3rl in editable mode, so the
-child removes that install's meta-path finder and the repository from sys.path, checks that
-`importlib.util.find_spec` finds none of the five, and at the end that none was imported (a finder that
+Each is saved by model/hf_layout.py `save_model` (which copies model/remote/*.py in); then ONE fresh Python
+process loads both with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in float32 and
+float64, checks that no key is missing, unexpected or mismatched and that the experts keep their per-expert
+names, writes its logits on fixed tokens (one row left-padded) and runs `generate`. k3rl's packages
+(`model`, `kernels`, `rl`, `rollout`, `envs`) are out of that process's reach: the venv installs k3rl in
+editable mode, so the child removes that install's meta-path finder and the repository from sys.path, checks
+that `importlib.util.find_spec` finds none of the five, and at the end that none was imported. (A finder that
 raises ImportError for them would not model a machine without k3rl: transformers probes
-`find_spec("kernels")`, the name of Hugging Face's kernel-hub package, and expects None) — loads both with
-`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`, checks that no key is missing,
-unexpected or mismatched, writes its logits on fixed tokens (one row left-padded) and runs `generate`. The
-parent compares:
+`find_spec("kernels")`, the name of Hugging Face's kernel-hub package, and expects None.)
+The parent compares:
 
 * float32 load vs the native float32 model: max |Δ| ≤ 2e-5 (logits here are O(0.1–1)). The two differ only
   in the order of float32 operations — the native model runs KDA chunked (64-token chunks, a triangular

@@ -286,10 +286,12 @@ def test_step_batches_cover_each_epoch_once_in_a_seeded_order():
 
 
 def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from model.hf_layout import load_model
 
     for name in ("config.yaml", "demos.json", "metrics.jsonl", "loss.png", "eval.json",
-                 "model/config.json", "model/model.safetensors", "model/tokenizer.json", "init/config.json"):
+                 "model/config.json", "model/model.safetensors.index.json", "model/tokenizer.json", "init/config.json"):
         assert (k3_run / name).is_file(), name
     assert list((k3_run / "tb").glob("events.out.tfevents.*"))
     assert json.loads((k3_run / "demos.json").read_text())["kept"] == 4
@@ -299,15 +301,15 @@ def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
     evaluation = json.loads((k3_run / "eval.json").read_text())
     assert evaluation["tasks"] == 2 and 0.0 <= evaluation["success"] <= 1.0
 
-    # The saved directory is the trained model: it loads through the Auto classes and scores the
-    # demonstrations better than the initial model does.
+    # The saved directory is the trained model: it loads (model/hf_layout.py, the released layout) and scores
+    # the demonstrations better than the initial model does.
     tokenizer = AutoTokenizer.from_pretrained(k3_run / "model")
     row = demonstrations("sft-toy-search", 1, 0, tokenizer)[0]
     ids = torch.tensor([row["input_ids"]])
     keep = torch.tensor(row["assistant_masks"][1:], dtype=torch.bool)
     nll = {}
     for which in ("init", "model"):
-        lm = AutoModelForCausalLM.from_pretrained(k3_run / which).eval()
+        lm = load_model(k3_run / which)
         with torch.no_grad():
             nll[which] = F.cross_entropy(lm(ids).logits[0, :-1][keep], ids[0, 1:][keep]).item()
     assert nll["model"] < nll["init"] - 0.5

@@ -329,9 +329,6 @@ def _define_k3_config() -> type:
     K3Config.__module__ = __name__
     K3Config.__qualname__ = "K3Config"
     AutoConfig.register(K3Config.model_type, K3Config, exist_ok=True)
-    from model.hf_layout import register_auto_config
-
-    register_auto_config()  # AutoTokenizer on a kimi_k3 directory must not ask about remote code
     return K3Config
 
 

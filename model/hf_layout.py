@@ -33,12 +33,14 @@ module layout); this module is the only way k3rl reads or writes a K3 directory.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -95,6 +97,18 @@ VISION_DEFAULTS: dict[str, Any] = {
 """`KimiK3VisionConfig` defaults (spec §2.4); `text_hidden_size` is added per model."""
 
 K3_EXTRAS = {"ignore_index": -100, "image_placeholder": "<|kimi_image_placeholder|>"}
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+MEDIA_PROC_DEFAULTS: dict[str, Any] = {
+    "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
+    "fixed_output_tokens": None, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+"""`media_proc_cfg` of a kimi_k3 directory's preprocessor_config.json: vLLM's K3 processing info reads it even when
+it serves the model text-only (`language_model_only`). k3rl's own values (the released ones are not in the files
+here): patch size from the model config, the 2×2 merge and 4-frame temporal merge of the vision defaults, and
+patch limits large enough for the images k3rl's environments send. k3rl's native patch path itself takes pixel
+values as given (model/vision.py), so the mean/std here only describe what vLLM's processor would do."""
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _LAYER = re.compile(r"^(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 
@@ -440,7 +454,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
 # ---- writing
 
 _OWN_FILES = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-                        + re.escape(PATCH_FILE) + r")$")
+                        + re.escape(PATCH_FILE) + "|" + re.escape(PREPROCESSOR_FILE) + r")$")
 TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template\..*|"
                               r"vocab\..*|merges\.txt|.*\.tiktoken|tokenization_.*\.py|spiece\.model)$")
 
@@ -471,25 +485,38 @@ def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = Non
     model/remote/ (with `auto_map`), and the tokenizer of `tokenizer_from` when given (`copy_tokenizer`).
     `quantize="mxfp4"` stores the routed experts in MXFP4 (lossy). Weight files of an earlier save there are
     replaced; the caller makes the directory atomic (`rl.checkpoint.atomic_dir`, a temporary sibling)."""
+    return save_state_dict(model.config, model.state_dict(), directory, layout=layout, tokenizer_from=tokenizer_from,
+                           quantize=quantize, max_shard_bytes=max_shard_bytes)
+
+
+def save_state_dict(config: Any, state: Mapping[str, torch.Tensor], directory: str | Path, *,
+                    layout: Optional[str] = None, tokenizer_from: Any = None, quantize: Optional[str] = None,
+                    max_shard_bytes: Optional[int] = None) -> Path:
+    """`save_model` from a K3Config and a full state dict in internal names (e.g. gathered from expert-parallel and
+    FSDP-sharded ranks by rl/parallel.py `full_state_dict`)."""
     directory = Path(directory)
-    layout = layout or layout_for(model.config)
+    layout = layout or layout_for(config)
     if layout not in LAYOUTS:
         raise ValueError(f"layout: must be kimi_linear or kimi_k3, got {layout!r}")
+    if "lm_head.weight" not in state:
+        raise CheckpointError("save_state_dict: the state dict has no lm_head.weight (not a full K3 state dict)")
     directory.mkdir(parents=True, exist_ok=True)
     for p in directory.iterdir():
         if p.is_file() and _OWN_FILES.match(p.name):
             p.unlink()
-    state = model.state_dict()
-    dtype = model.lm_head.weight.dtype
+    dtype = state["lm_head.weight"].dtype
     shard = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     quantization = write_weights(directory, to_released_names(state, layout), quantize=quantize, **shard)
     native = native_weights(state)
     if native:
         write_extra(directory, PATCH_FILE, native)
-    config = released_config(model.config, layout, dtype)
+    released = released_config(config, layout, dtype)
     if quantization is not None:
-        config["quantization_config"] = quantization
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+        released["quantization_config"] = quantization
+    (directory / CONFIG_FILE).write_text(json.dumps(released, indent=2, sort_keys=False) + "\n")
+    if layout == "kimi_k3":
+        media = {"patch_size": int(config.image_patch_size), **MEDIA_PROC_DEFAULTS}
+        (directory / PREPROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": media}, indent=2) + "\n")
     if REMOTE_DIR.is_dir():
         for p in sorted(REMOTE_DIR.glob("*.py")):
             shutil.copyfile(p, directory / p.name)
@@ -498,26 +525,40 @@ def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = Non
     return directory
 
 
-def register_auto_config() -> None:
-    """Give transformers' `AutoConfig` (and so `AutoTokenizer`, which reads config.json first) a local class for
-    `kimi_k3`, which transformers does not ship: without it, reading a kimi_k3 directory's tokenizer finds
-    `auto_map` and asks on stdin whether to run the remote code. Idempotent; `kimi_linear` is transformers' own."""
-    from transformers import AutoConfig, PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if "kimi_k3" in CONFIG_MAPPING:
-        return
+@functools.cache
+def _directory_config_class() -> type:
+    from transformers import PretrainedConfig
 
     class KimiK3DirectoryConfig(PretrainedConfig):
-        """config.json of a kimi_k3 directory as plain attributes (k3rl reads it with `read_config`)."""
+        """config.json of a kimi_k3 directory as plain attributes (k3rl itself reads it with `read_config`)."""
 
         model_type = "kimi_k3"
 
-    AutoConfig.register("kimi_k3", KimiK3DirectoryConfig, exist_ok=True)
+    return KimiK3DirectoryConfig
 
 
-__all__ = ["CONFIG_FILE", "INDEX_FILE", "LAYOUTS", "MODEL_TYPES", "OLD_MODEL_TYPE", "PATCH_FILE", "TOKENIZER_FILES",
-           "CheckpointError", "config_from_dict", "copy_tokenizer", "from_released_names", "is_k3_dir", "layout_for",
-           "load_model", "model_type_of", "native_weights", "raw_config", "read_config", "read_released",
-           "read_state_dict", "register_auto_config", "released_config", "save_model", "text_config_dict",
-           "to_released_names"]
+@contextlib.contextmanager
+def kimi_k3_config_registered() -> Iterator[None]:
+    """While inside, transformers' `AutoConfig` knows `kimi_k3` (which transformers does not ship) as a plain config.
+
+    For `AutoTokenizer` (model/tokenizer.py `load_tokenizer`), which reads config.json first: without it, a kimi_k3
+    directory's `auto_map` makes transformers ask on stdin whether to run the remote code (15 s on a terminal).
+    Scoped, not global: after the block `AutoConfig.from_pretrained(dir, trust_remote_code=True)` gets the
+    directory's own remote `KimiK3Config` again, in k3rl's process as in any other."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "kimi_k3" in CONFIG_MAPPING:  # registered by the user (or an enclosing block): leave it alone
+        yield
+        return
+    CONFIG_MAPPING.register("kimi_k3", _directory_config_class())
+    try:
+        yield
+    finally:
+        CONFIG_MAPPING._extra_content.pop("kimi_k3", None)
+
+
+__all__ = ["CONFIG_FILE", "CheckpointError", "INDEX_FILE", "LAYOUTS", "MODEL_TYPES", "OLD_MODEL_TYPE", "PATCH_FILE",
+           "TOKENIZER_FILES", "config_from_dict", "copy_tokenizer", "from_released_names", "is_k3_dir",
+           "kimi_k3_config_registered", "layout_for", "load_model", "model_type_of", "native_weights", "raw_config",
+           "read_config", "read_released", "read_state_dict", "released_config", "save_model", "save_state_dict",
+           "text_config_dict", "to_released_names"]

@@ -19,7 +19,9 @@ Byte-level means every string round-trips (`decode(encode(s)) == s`), whatever t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -84,9 +86,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     return wrapped
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """A tokenizer saved with `save_pretrained` (e.g. by `k3rl init`)."""
-    from model.hf_layout import register_auto_config
+def load_tokenizer(path: str | Path, **kwargs) -> PreTrainedTokenizerFast:
+    """The tokenizer of a model directory (k3rl's, a released one, or a hub id with `local_files_only`).
 
-    register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
-    return AutoTokenizer.from_pretrained(path)
+    Every k3rl reader goes through here. A kimi_k3 directory's config.json names remote model code, which a
+    tokenizer never needs: `kimi_k3_config_registered` keeps transformers from asking about it. A tokenizer that is
+    itself remote code (the released Kimi tokenizer: `auto_map` in tokenizer_config.json) is trusted, as the
+    directory is one the user pointed k3rl at."""
+    from model.hf_layout import kimi_k3_config_registered
+
+    tok_config = Path(path) / "tokenizer_config.json"
+    remote = tok_config.is_file() and "auto_map" in json.loads(tok_config.read_text())
+    with kimi_k3_config_registered():
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=remote or None, **kwargs)

@@ -126,13 +126,10 @@ class ModelRunner:
     name = "model"
 
     def __init__(self, cfg: Any, model_path: str, engine: str = "torch"):
-        from transformers import AutoTokenizer
+        from model.tokenizer import load_tokenizer
 
-        from model.hf_layout import register_auto_config
-
-        register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
         self.cfg, self.model_path, self.backend = cfg, str(model_path), engine
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         if engine == "vllm":
             from omegaconf import OmegaConf
             from transformers import AutoConfig
@@ -329,15 +326,12 @@ class EndpointRunner:
         return model, int(limit) if limit else None
 
     def _tokenizer(self):
-        from transformers import AutoTokenizer
+        from model.tokenizer import load_tokenizer
 
-        from model.hf_layout import register_auto_config
-
-        register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
         if self.cfg.eval.model_path is not None:
-            return AutoTokenizer.from_pretrained(self.cfg.eval.model_path)
+            return load_tokenizer(self.cfg.eval.model_path)
         try:
-            return AutoTokenizer.from_pretrained(self.model, local_files_only=True)
+            return load_tokenizer(self.model, local_files_only=True)
         except Exception:
             raise ConfigError(f"eval.model_path: set it to a local directory with the tokenizer of {self.model!r} "
                               f"(served at {self.url}): lengths are counted with the evaluated model's tokenizer, "

@@ -463,9 +463,9 @@ class Learner:
     def _save_tokenizer(self, directory: Path) -> None:
         if not (self.tokenizer_path / "tokenizer_config.json").is_file():
             return
-        from transformers import AutoTokenizer
+        from model.tokenizer import load_tokenizer
 
-        AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(directory)
+        load_tokenizer(self.tokenizer_path).save_pretrained(directory)
 
     def save(self, path: str | Path) -> None:
         """An atomic single-rank checkpoint at `path` (replacing one that is there)."""

@@ -291,8 +291,7 @@ class Climb:
 
     def run(self) -> Path:
         """The whole climb (or what is left of it)."""
-        from transformers import AutoTokenizer
-
+        from model.tokenizer import load_tokenizer
         from rl.config import to_yaml
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -300,10 +299,7 @@ class Climb:
         (self.run_dir / CLIMB_FILE).write_text(json.dumps(self.identity, indent=1, default=str))
         self._write_plan()
         started = time.perf_counter()
-        from model.hf_layout import register_auto_config
-
-        register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
-        tokenizer = AutoTokenizer.from_pretrained(self.start_model())
+        tokenizer = load_tokenizer(self.start_model())
         self.load_data(tokenizer)
         previous: Optional[Path] = None
         for index, stage in enumerate(self.cfg.pretrain.stages):

@@ -148,12 +148,9 @@ def run_sft(cfg) -> Path:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     model_dir = Path(sft.model_dir) if sft.model_dir is not None else init_model(cfg.model, run_dir / "init", run.seed)
-    from transformers import AutoTokenizer
+    from model.tokenizer import load_tokenizer
 
-    from model.hf_layout import register_auto_config
-
-    register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"sft.model_dir: the tokenizer in {model_dir} has no chat template")
 

@@ -463,12 +463,9 @@ class Trainer:
     def _tokenizer(self) -> Any:
         """The policy's tokenizer (for the held-out transcripts), loaded on first use."""
         if self._tok is None:
-            from transformers import AutoTokenizer
+            from model.tokenizer import load_tokenizer
 
-            from model.hf_layout import register_auto_config
-
-            register_auto_config()  # a kimi_k3 directory's config.json names remote code: no prompt about it
-            self._tok = AutoTokenizer.from_pretrained(str(self.rl.model_path))
+            self._tok = load_tokenizer(str(self.rl.model_path))
         return self._tok
 
     # ---- checkpoints

@@ -102,12 +102,11 @@ class TorchEngine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                         **kwargs) -> "TorchEngine":
-        from transformers import AutoTokenizer
-
         from model.policy import load_policy
+        from model.tokenizer import load_tokenizer
 
         policy = load_policy(model_dir, dtype=dtype)
-        return cls(policy.model, AutoTokenizer.from_pretrained(model_dir), device=device, **kwargs)
+        return cls(policy.model, load_tokenizer(model_dir), device=device, **kwargs)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      keep_sessions: bool = False) -> None:

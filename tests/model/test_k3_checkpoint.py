@@ -125,11 +125,16 @@ def test_layout_names_shapes_and_config(tmp_path, layout, kw):
         assert raw["media_placeholder_token_id"] == 3 and raw["vision_config"]["text_hidden_size"] == 32
         assert raw["ignore_index"] == -100 and "architectures" not in text
         assert load_file(tmp_path / hf_layout.PATCH_FILE).keys() == {"model.patch_embed.proj.weight"}
+        assert json.loads((tmp_path / hf_layout.PREPROCESSOR_FILE).read_text())["media_proc_cfg"]["patch_size"] == cfg.image_patch_size
         from transformers import AutoConfig
 
-        # k3rl's own class for kimi_k3 (registered with K3Config): AutoTokenizer, which reads config.json first,
-        # finds local code and does not ask on stdin whether to run the directory's remote code
-        assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "KimiK3DirectoryConfig"
+        # inside `kimi_k3_config_registered` (what load_tokenizer uses: AutoTokenizer reads config.json first) a local
+        # class answers, so transformers does not ask on stdin about the remote code; outside it, the directory's own
+        # remote KimiK3Config does (k3rl does not change what transformers does in the user's process)
+        with hf_layout.kimi_k3_config_registered():
+            assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "KimiK3DirectoryConfig"
+        assert type(AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)).__module__.startswith(
+            "transformers_modules.")
     else:
         assert not (tmp_path / hf_layout.PATCH_FILE).exists()
 

@@ -274,10 +274,7 @@ def test_vllm_engine_refuses_k3_without_cuda(tmp_path):
 
 @pytest.mark.parametrize("layout", [
     "kimi_linear",
-    pytest.param("kimi_k3", marks=pytest.mark.xfail(
-        strict=True, raises=OSError,
-        reason="vLLM's KimiK3ProcessingInfo reads preprocessor_config.json (`media_proc_cfg`) even in "
-               "language-model-only mode, and save_model writes none yet")),
+    "kimi_k3",
 ])
 def test_vllm_config_of_a_served_directory(layout, tmp_path):
     """What `vllm.LLM` builds first for a saved directory, tokenizer included (the loader test skips the

@@ -4,12 +4,14 @@ Exact on every E2M1 value at scales from 2^−127 to 2^127, ties to even, satura
 1.75 significand, zero / −0 / subnormal / huge / NaN / Inf groups, the round-trip bound on random weights,
 and byte-for-byte agreement with the two references: vLLM's own quantization kernel (compiled from its
 installed file), compressed-tensors' pack/unpack and E8M0 helpers (loaded from their files, ~0 s), and, as a
-`slow` test, compressed-tensors' whole compressor (importing that package takes ~15 s).
+`slow` test run on request (K3RL_CROSSCHECK=1), compressed-tensors' whole compressor (importing that package
+takes 15–30 s on 2 cores; the helpers test above already compares bytes with its pack and scale functions).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -216,6 +218,7 @@ def test_matches_vllm_quantization_kernel():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("K3RL_CROSSCHECK") != "1", reason="on request: K3RL_CROSSCHECK=1 (~30 s import)")
 def test_matches_compressed_tensors_compressor(monkeypatch):
     """compressed-tensors' MXFP4PackedCompressor with the scales its observer math picks (calculate_qparams)
     writes the same bytes as `quantize`, and decompresses them to the same values as `dequantize`."""

@@ -22,6 +22,8 @@ With AttnRes off (`attn_res_block_size=None`) the same code is the plain pre-nor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -54,6 +56,7 @@ def attn_res_mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) ->
     return kernel_attn_res_mix(sources, query, norm.eps)  # [..., d]
 
 
+@dataclass(eq=False)
 class ResidualStream:
     """The per-token residual state threaded through the decoder layers.
 
@@ -61,10 +64,13 @@ class ResidualStream:
     `blocks` stays empty and `partial` is the ordinary residual stream h, so the same three
     calls give `h = h + Mixer(norm(h)); h = h + FFN(norm(h))`.
     The object is rebuilt, never mutated, so a layer can be re-run under activation checkpointing.
+    A dataclass so that module hooks which look for tensors in a layer's inputs and outputs find them
+    (FSDP2 gathers a layer's parameters again for backward from hooks on its output tensors).
     """
 
-    def __init__(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor | None, block_size: int | None):
-        self.blocks, self.partial, self.block_size = blocks, partial, block_size
+    blocks: tuple[torch.Tensor, ...]
+    partial: torch.Tensor | None
+    block_size: int | None
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, block_size: int | None) -> "ResidualStream":

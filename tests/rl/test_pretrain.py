@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from model.hf_layout import read_config
 from rl.config import ConfigError, JobConfig, load_config
 from rollout.trajectory import Trajectory
 
@@ -121,7 +122,7 @@ def test_rope_base_reaches_mla_only(rope_dir, tmp_path):
     assert {k for k, same in kinds.values() if not same} == {"MultiheadLatentAttention"}, kinds
 
     raised.save(tmp_path / "saved")
-    assert json.loads((tmp_path / "saved/config.json").read_text())["rope_theta"] == 640000.0
+    assert read_config(tmp_path / "saved").rope_theta == 640000.0  # in config.json (text_config in kimi_k3)
     nope = _model(tmp_path, nope=True)
     with pytest.raises(ValueError, match="no RoPE layers"):
         Learner(LearnerConfig(model_path=str(nope), algo="nll", rope_theta=40000.0))

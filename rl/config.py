@@ -238,6 +238,16 @@ class LearnerSettings:
     """The samples of a group share their prompt: forward and backward it once and branch from its state (K3: the
     hybrid cache, the prompt's tokens counted once in the router statistics; other models: their KV cache;
     rl/segments.py)."""
+    expert_parallel: int = 1
+    """K3: split the routed experts of every MoE layer across this many learner ranks (all-to-all token dispatch,
+    rl/expert_parallel.py); the ranks form data-parallel replicas of `expert_parallel` ranks each, so the number of
+    learner ranks (`rl.num_learners`) must be a multiple of it. 1: every rank holds every expert."""
+    fsdp: bool = False
+    """K3: shard parameters, gradients and optimizer states across the learner ranks with FSDP2 (the routed experts
+    across the data-parallel replicas, as they are already split by `expert_parallel`; rl/parallel.py). With
+    `expert_parallel > 1` or `fsdp` (and more than one rank) the learner runs only AdamW, no reference model
+    (`algo.args.kl_coef: 0`), whole sequences (`segment_tokens: null`) and no prefix sharing (`share_prefix: false`),
+    since every rank must run the same forward and backward passes."""
 
 
 # Keys that moved to another section: a recipe or override that still uses one is told where it went.

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import resource
 from enum import Enum
 import time
@@ -88,6 +89,10 @@ from rl.optim import build_optimizers, build_schedulers, restore_schedulers
 from rl import router_balance
 
 OPTIMIZER_FILE = "optimizer.pt"
+SHARDED_DIR = "sharded"
+"""A sharded learner's model and optimizer states (torch.distributed.checkpoint), inside its checkpoint."""
+SHARDED_META = "sharded_learner.json"
+"""What a sharded learner's checkpoint has instead of `OPTIMIZER_FILE`: version, world size, layout, optimizer."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -137,6 +142,34 @@ class LearnerConfig(LearnerSettings):
             raise ValueError(f"segment_tokens: must be ≥ 1 or null, got {self.segment_tokens}")
         if self.micro_batch_seqs is not None and self.micro_batch_seqs < 1:
             raise ValueError(f"micro_batch_seqs: must be ≥ 1 or null, got {self.micro_batch_seqs}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"expert_parallel: must be ≥ 1, got {self.expert_parallel}")
+        if self.sharded:
+            # Every rank must run the same sequence of forwards and backwards (their all-gathers and all-to-alls are
+            # collectives); the features below would make the passes of a rank depend on its own data.
+            what = f"expert_parallel = {self.expert_parallel}, fsdp = {str(bool(self.fsdp)).lower()}"
+            if str(self.optimizer) != "adamw":
+                raise ValueError(f"optimizer: {self.optimizer!r} with {what}: only adamw (Muon orthogonalises whole "
+                                 f"matrices, which are sharded across ranks here)")
+            if float(dict(self.algo_args).get("kl_coef", 0.0) or 0.0) > 0:
+                raise ValueError(f"expert_parallel / fsdp ({what}): a reference model (algo.args.kl_coef > 0) is not "
+                                 f"supported on a sharded learner; set algo.args.kl_coef=0")
+            if self.segment_tokens is not None:
+                raise ValueError(f"segment_tokens: must be null with {what} (a segmented sequence runs a number of "
+                                 f"passes that depends on its length)")
+            if self.share_prefix:
+                raise ValueError(f"share_prefix: must be false with {what} (a shared prompt is an extra forward)")
+
+    @property
+    def sharded(self) -> bool:
+        """Expert parallelism or FSDP2 is asked for (it takes effect with more than one rank)."""
+        return self.expert_parallel > 1 or bool(self.fsdp)
+
+    def check_ranks(self, num_ranks: int, key: str = "rl.num_learners") -> None:
+        """Refuse a number of learner ranks that `expert_parallel` does not divide (`key` names where it is set)."""
+        if num_ranks % self.expert_parallel:
+            raise ValueError(f"expert_parallel: {self.expert_parallel} must divide the number of learner ranks "
+                             f"({key} = {num_ranks})")
 
     @classmethod
     def from_job(cls, job: Any, model_path: str | Path, **overrides: Any) -> "LearnerConfig":
@@ -152,7 +185,10 @@ class LearnerConfig(LearnerSettings):
         values.update(model_path=str(model_path), algo=job.algo.name, algo_args=OmegaConf.to_container(job.algo.args)
                       if OmegaConf.is_config(job.algo.args) else dict(job.algo.args), seed=job.run.seed,
                       device=job.run.device)
-        return cls(**{**values, **overrides})
+        cfg = cls(**{**values, **overrides})
+        if "rl" in job and "num_learners" in job.rl:
+            cfg.check_ranks(int(job.rl.num_learners))
+        return cfg
 
 
 def compute_advantages(algo: Algorithm, trajectories: Sequence[Any]) -> np.ndarray:
@@ -203,8 +239,27 @@ class Learner:
         if getattr(self.algo.cfg, "kl_coef", 0.0) > 0:
             self.ref_policy = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device)
             self.ref_policy.model.eval().requires_grad_(False)
+        self.mesh = None
+        """The ("dp", "ep") DeviceMesh of an expert-parallel / FSDP2 learner (rl/parallel.py), else None."""
+        if cfg.sharded:
+            if not self.policy.is_k3:
+                raise ValueError(f"learner.expert_parallel / learner.fsdp: K3 models only; {cfg.model_path} is a "
+                                 f"{getattr(self.model.config, 'model_type', '?')} model")
+            if self.world_size == 1 and cfg.expert_parallel > 1:
+                raise ValueError(f"learner.expert_parallel = {cfg.expert_parallel} needs that many learner ranks or a "
+                                 f"multiple (rl.num_learners); this learner has one")
+            cfg.check_ranks(self.world_size)
+            if self.world_size > 1:
+                if group is not None and self.world_size != parallel.get_world_size():
+                    raise ValueError("learner.expert_parallel / learner.fsdp: the learner must span the whole default "
+                                     "process group")
+                self.mesh = parallel.make_mesh(cfg.expert_parallel, self.device.type)
+                parallel.apply_parallelism(self.model, self.mesh, fsdp=bool(cfg.fsdp))
+        # after sharding: FSDP2 and expert parallelism replace the parameters with DTensors
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizers = build_optimizers(self.model, self.params, cfg)
+        # foreach kernels cannot mix DTensors of different meshes (experts on "dp"/"ep", the rest on all ranks)
+        self.optimizers = build_optimizers(self.model, self.params, cfg,
+                                           foreach=False if self.mesh is not None else None)
         self.schedulers = build_schedulers(self.optimizers, cfg)
         self.version = 0
         self.tokenizer_path = Path(cfg.model_path)
@@ -299,7 +354,8 @@ class Learner:
     def score(self, trajectories: Sequence[Any]) -> list[np.ndarray]:
         """log π(token) of each trajectory's loss-mask tokens (after the first) under the current
         weights, [n_i] float64 each, in trajectory order; routing replayed as in training, and not
-        counted in the router-balancing statistics."""
+        counted in the router-balancing statistics. Under a mesh every rank calls it together, each with its own
+        share of the trajectories (possibly none): a rank with fewer micro-batches runs idle forwards."""
         # every trajectory's pieces (one, or its documents when packed and longer than a segment), in order
         pieces, owner = [], []
         for i, s in enumerate(to_train_sequence(t, 0.0) for t in trajectories):
@@ -308,12 +364,16 @@ class Learner:
                 owner.append(i)
         parts: list[list[np.ndarray]] = [[] for _ in pieces]
         with self._router_stats(False):
-            for idx in self._pack(pieces):
+            batches = self._pack(pieces)
+            idle = self._idle_count(len(batches))
+            for idx in batches:
                 unit = segments.Unit(collate([pieces[j] for j in idx], self.device, self._replay_shape))
                 logp, _ = self.logprobs(self.policy, unit)
                 per_seq = torch.bincount(unit.mb.seq_ids, minlength=unit.mb.num_seqs).tolist()
                 for j, part in zip(idx, logp.double().cpu().split(per_seq)):
                     parts[j] = part.numpy()
+        for _ in range(idle):
+            self._idle_pass(grad=False)
         out: list[list[np.ndarray]] = [[] for _ in trajectories]
         for i, part in zip(owner, parts):
             out[i].append(part)
@@ -382,18 +442,25 @@ class Learner:
         sums: dict[str, torch.Tensor] = {}
         bad_loss = False
         batches = self._units(seqs, self.cfg.share_prefix)
+        idle = self._idle_count(len(batches))
         for unit in batches:
             loss, metrics = self._micro_batch(unit, n_tokens, n_seqs)
             bad_loss |= not bool(torch.isfinite(loss))
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.double() if k in sums else v.double()
+        for _ in range(idle):
+            self._idle_pass(grad=True)
         keys = parallel.union_keys(sums, self.group)
         totals = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64)).to(self.device) for k in keys]
                              ) if keys else torch.zeros(0, dtype=torch.float64, device=self.device)
         parallel.all_reduce(totals, "sum", self.group)
-        parallel.all_reduce_grads(self.params, self.group)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if self.mesh is not None:
+            parallel.sync_grads(self.model, self.mesh)  # a no-op under FSDP, whose reduce-scatters summed them
+            grad_norm = parallel.grad_norm(self.params, self.mesh)
+        else:
+            parallel.all_reduce_grads(self.params, self.group)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         flags = torch.tensor([bad_loss, not bool(torch.isfinite(grad_norm))], dtype=torch.float64, device=self.device)
         parallel.all_reduce(flags, "max", self.group)
         metrics = {k: float(v) for k, v in zip(keys, totals.tolist())}
@@ -401,7 +468,7 @@ class Learner:
         skipped = "nonfinite_loss" if flags[0] else "nonfinite_grad" if flags[1] else ""
         if not skipped:
             if self.cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, grad_norm)
+                self._clip(grad_norm)
             metrics["grad_clipped"] = float(0 < self.cfg.max_grad_norm < metrics["grad_norm"])
             for opt in self.optimizers:
                 opt.step()
@@ -412,6 +479,40 @@ class Learner:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return self._finish(start, metrics, skipped, (n_tokens, n_seqs, n_inputs), len(batches), lr)
+
+    def _clip(self, grad_norm: torch.Tensor) -> None:
+        """Scale the gradients to at most `max_grad_norm` (torch's rule: × min(1, max / (norm + 1e-6)))."""
+        if self.mesh is None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, grad_norm)
+            return
+        # A python float: DTensor gradients (shards of different meshes) do not take a plain tensor factor.
+        coef = min(1.0, self.cfg.max_grad_norm / (float(grad_norm) + 1e-6))
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+    def _idle_count(self, mine: int) -> int:
+        """Under a mesh, how many idle passes this rank adds to its own `mine` passes (forward, and backward in
+        training) so that every rank runs as many as the busiest: each forward and backward of a sharded model holds
+        collectives (FSDP2 all-gathers and reduce-scatters, the experts' all-to-alls) that every rank must join in the
+        same order. A collective itself, before any pass; 0 without a mesh."""
+        if self.mesh is None:
+            return 0
+        most = parallel.all_reduce(torch.tensor([mine], dtype=torch.int64, device=self.device), "max")
+        return int(most.item()) - mine
+
+    def _idle_pass(self, grad: bool) -> None:
+        """One forward (and backward) through every module a micro-batch uses, changing nothing: a one-token input
+        (a real token, attended, so that every value is finite and 0 × it is 0), its routing left out of the
+        balancing statistics, and a loss of 0 × log π, whose gradient is exactly zero on every parameter it
+        reaches — the same parameters as a real micro-batch's, so FSDP2 reduces the same set on every rank."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+        rows = torch.ones_like(ids, dtype=torch.bool)  # [1, 1]
+        with self._router_stats(False), torch.set_grad_enabled(grad):
+            hidden = self.policy.final_hidden(ids, attention_mask=rows.long(), rows=rows)  # [1, d]
+            logp = self.policy.selected_logprobs(hidden, ids[0], self.cfg.logprob_chunk_size)  # [1]
+            if grad:
+                (logp.sum() * 0.0).backward()
 
     def _clear_router_stats(self) -> None:
         for router in self._routers:
@@ -440,17 +541,31 @@ class Learner:
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the state dict (buffers such as router biases and `lm_head.weight` included),
-        as CPU copies under checkpoint names: what `Engine.load_weights` takes."""
+        as CPU copies under checkpoint names: what `Engine.load_weights` takes. Under a mesh every rank calls it
+        (the shards are gathered, rl/parallel.py `full_state_dict`) and only rank 0 gets the tensors (the others
+        an empty list)."""
+        if self.mesh is not None:
+            return list(parallel.full_state_dict(self.model, self.mesh).items())
         return [(name, t.detach().to("cpu", copy=True)) for name, t in self.model.state_dict().items()]
 
     def save_into(self, directory: str | Path) -> None:
         """Write this rank's part of a checkpoint into `directory` (rank 0: model, tokenizer, optimizer;
-        every rank: its RNG states). Not atomic by itself: see `save` and `CheckpointManager.begin`."""
+        every rank: its RNG states). Not atomic by itself: see `save` and `CheckpointManager.begin`.
+
+        Under a mesh (every rank calls it): every rank writes its shards of the model and optimizer states into
+        `SHARDED_DIR` (torch.distributed.checkpoint), rank 0 the gathered model in the released layout (readable
+        by any tool, and by an unsharded learner as `rl.model_path`) and `SHARDED_META` instead of `OPTIMIZER_FILE`."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
+        tokenizer = self.tokenizer_path if (self.tokenizer_path / "tokenizer_config.json").is_file() else None
+        if self.mesh is not None:
+            parallel.save_sharded(directory / SHARDED_DIR, self.model, self.optimizers)
+            state = parallel.full_state_dict(self.model, self.mesh)
+            if self.rank == 0:
+                hf_layout.save_state_dict(self.model.config, state, directory, tokenizer_from=tokenizer)
+                (directory / SHARDED_META).write_text(json.dumps(self._layout(), indent=1) + "\n")
+        elif self.rank == 0:
             if self.policy.is_k3:  # the released layout the model config chooses (model/hf_layout.py)
-                tokenizer = self.tokenizer_path if (self.tokenizer_path / "tokenizer_config.json").is_file() else None
                 hf_layout.save_model(self.model, directory, tokenizer_from=tokenizer)
             else:
                 self.model.save_pretrained(directory, safe_serialization=True)
@@ -480,6 +595,9 @@ class Learner:
         mine = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers]
         path = Path(path)
         ckpt.verify(path)
+        if self.mesh is not None or (path / SHARDED_META).is_file():
+            raise ckpt.CheckpointError(f"{path}: taking another run's optimizer moments is not implemented for sharded "
+                                       f"learners (learner.expert_parallel / learner.fsdp); reset them instead")
         try:
             state = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
         except Exception as e:
@@ -501,11 +619,51 @@ class Learner:
             raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this learner's parameters ({e}); "
                                        f"start a new run from its weights instead (rl.model_path={path})") from e
 
+    def _layout(self) -> dict[str, Any]:
+        """What a sharded checkpoint records about the learner that wrote it (`SHARDED_META`)."""
+        return {"version": self.version, "world_size": self.world_size, "expert_parallel": self.cfg.expert_parallel,
+                "fsdp": bool(self.cfg.fsdp), "optimizer": str(self.cfg.optimizer)}
+
+    def _load_sharded(self, path: Path) -> None:
+        """`load` of a checkpoint written under a mesh by a learner laid out as this one."""
+        try:
+            meta = json.loads((path / SHARDED_META).read_text())
+        except (OSError, ValueError) as e:
+            raise ckpt.CorruptCheckpointError(f"{path}: cannot read {SHARDED_META} ({type(e).__name__}: {e})") from e
+        mine = self._layout()
+        keys = ("world_size", "expert_parallel", "fsdp", "optimizer")
+        if self.mesh is None or any(meta.get(k) != mine[k] for k in keys):
+            saved = ", ".join(f"{k} {meta.get(k)}" for k in keys)
+            this = ", ".join(f"{k} {mine[k]}" for k in keys)
+            raise ckpt.CheckpointError(
+                f"{path}: saved by a sharded learner ({saved}); this learner has {this}, and a sharded optimizer state "
+                f"loads only into the same layout (rl.num_learners, learner.expert_parallel, learner.fsdp, "
+                f"learner.optimizer). Resume with those, or start a new run from its weights (rl.model_path={path}: "
+                f"the Hugging Face export beside the shards; the optimizer state starts anew)")
+        try:
+            parallel.load_sharded(path / SHARDED_DIR, self.model, self.optimizers)
+        except (FileNotFoundError, KeyError, RuntimeError, ValueError) as e:
+            raise ckpt.CorruptCheckpointError(f"{path}: cannot read the sharded learner state in {SHARDED_DIR}/ "
+                                              f"({type(e).__name__}: {e})") from e
+        self.version = int(meta["version"])
+
     def load(self, path: str | Path) -> None:
-        """Restore weights, optimizer states, `version` and this rank's RNG states from a complete checkpoint."""
+        """Restore weights, optimizer states, `version` and this rank's RNG states from a complete checkpoint.
+        Under a mesh every rank calls it; a checkpoint written under a mesh loads only into the same layout."""
         path = Path(path)
         ckpt.verify(path)
         opt_file = path / OPTIMIZER_FILE
+        if (path / SHARDED_META).is_file() or self.mesh is not None:
+            if not (path / SHARDED_META).is_file():
+                raise ckpt.CheckpointError(
+                    f"{path}: saved by an unsharded learner ({OPTIMIZER_FILE}); this learner is sharded "
+                    f"(learner.expert_parallel = {self.cfg.expert_parallel}, learner.fsdp = {bool(self.cfg.fsdp)}, "
+                    f"{self.world_size} ranks) and takes sharded checkpoints only; start a new run from its weights "
+                    f"(rl.model_path={path}) or resume without sharding")
+            self._load_sharded(path)
+            restore_schedulers(self.schedulers, self.version)
+            self._restore_rng(path)
+            return
         if not opt_file.is_file():
             raise ckpt.IncompleteCheckpointError(f"{path}: no {OPTIMIZER_FILE} (not a learner checkpoint)")
         from safetensors.torch import load_file
@@ -537,6 +695,9 @@ class Learner:
         self._load_optimizer_state(path, state)
         self.version = int(state["version"])
         restore_schedulers(self.schedulers, self.version)
+        self._restore_rng(path)
+
+    def _restore_rng(self, path: Path) -> None:
         rng_file = path / f"rng-rank{self.rank:05d}.pt"
         if rng_file.is_file():
             ckpt.restore_rng(torch.load(rng_file, weights_only=False))
@@ -610,6 +771,7 @@ class LearnerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg, self.num_ranks = cfg, num_ranks
+        cfg.check_ranks(num_ranks)
         self.algo = get_algo(cfg.algo, **dict(cfg.algo_args))
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         self.placement_group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
@@ -622,6 +784,8 @@ class LearnerGroup:
             for i in range(num_ranks)]
         addr, port = ray.get(self.actors[0].address.remote())
         backend = backend or parallel.default_backend(cfg.device)
+        self.sharded = cfg.sharded and num_ranks > 1
+        """Expert-parallel / FSDP2 ranks: weights and scoring are collective, every rank takes part."""
         ray.get([a.setup.remote(cfg, r, num_ranks, addr, port, backend) for r, a in enumerate(self.actors)])
 
     def train_step(self, trajectories: Sequence[Any]) -> dict[str, Any]:
@@ -634,8 +798,12 @@ class LearnerGroup:
         return {**results[0], "num_ranks": self.num_ranks}
 
     def named_weights(self, rank: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """The weights of rank `rank` (the same on every rank); a sharded group gathers them with every rank and
+        returns rank 0's whole state dict (internal names, stacked experts)."""
         import ray
 
+        if self.sharded:
+            return ray.get([a.named_weights.remote() for a in self.actors])[0]
         return ray.get(self.actors[rank].named_weights.remote())
 
     @property
@@ -668,10 +836,20 @@ class LearnerGroup:
         ray.get([a.load_optimizer.remote(str(path)) for a in self.actors])
 
     def score(self, trajectories: Sequence[Any]) -> list[np.ndarray]:
-        """`Learner.score` on rank 0 (the weights are the same on every rank)."""
+        """`Learner.score` on rank 0 (the weights are the same on every rank); a sharded group splits the
+        trajectories across its ranks as `train_step` does and returns the results in the given order."""
         import ray
 
-        return ray.get(self.actors[0].score.remote(list(trajectories)))
+        trajectories = list(trajectories)
+        if not self.sharded:
+            return ray.get(self.actors[0].score.remote(trajectories))
+        parts = parallel.split_balanced([len(t.tokens) for t in trajectories], self.num_ranks)
+        results = ray.get([a.score.remote([trajectories[i] for i in part]) for a, part in zip(self.actors, parts)])
+        out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
+        for part, scored in zip(parts, results):
+            for i, logp in zip(part, scored):
+                out[i] = logp
+        return out
 
     def shutdown(self) -> None:
         import ray

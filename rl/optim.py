@@ -14,7 +14,7 @@ each optimizer, a pure function of the optimizer step: a resumed learner recompu
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -64,10 +64,12 @@ class ExpertMuon(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizers(model: torch.nn.Module, params: list[torch.Tensor], cfg: Any) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: torch.nn.Module, params: list[torch.Tensor], cfg: Any,
+                     foreach: Optional[bool] = None) -> list[torch.optim.Optimizer]:
     """AdamW over `params` (weight decay on matrices only), or with `cfg.optimizer == "muon"` Muon for the
     hidden matrices (2-D: `torch.optim.Muon`; stacked experts: `ExpertMuon`) and AdamW for the rest.
-    `cfg` has lr, weight_decay, adam_beta1/2, adam_eps, muon_momentum, optimizer."""
+    `cfg` has lr, weight_decay, adam_beta1/2, adam_eps, muon_momentum, optimizer. `foreach` is AdamW's (None: torch
+    chooses; False for DTensor parameters on several device meshes, which its foreach kernels cannot mix)."""
     head = {id(model.get_output_embeddings().weight), id(model.get_input_embeddings().weight)}
     muon2, muon3, decay, no_decay = [], [], [], []
     for p in params:
@@ -80,7 +82,8 @@ def build_optimizers(model: torch.nn.Module, params: list[torch.Tensor], cfg: An
             no_decay.append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)]
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+        foreach=foreach)]
     if muon2 or muon3:
         if not hasattr(torch.optim, "Muon"):
             raise RuntimeError(f"optimizer: muon needs torch.optim.Muon, which torch {torch.__version__} "

@@ -46,6 +46,17 @@ states, `version`; rank 0) and `rng-rank{r}.pt` (each rank's RNG states). `save`
 its own (`rl.checkpoint.atomic_dir`); the trainer writes the learner and its own state into one
 `CheckpointManager.begin(step)` directory with `save_into` and `save_trainer_state`.
 
+Expert parallelism and FSDP2 (`learner.expert_parallel`, `learner.fsdp`, K3 only, more than one rank): the model is
+sharded from outside before the optimizer is built (rl/parallel.py `make_mesh`, `apply_parallelism`: E/EP experts per
+rank with all-to-all dispatch, FSDP2 over the ranks); gradients are summed by FSDP's reduce-scatters (or `sync_grads`),
+the norm is `parallel.grad_norm`, clipping multiplies by a python float. Every forward and backward then holds
+collectives, so every rank runs the same number of passes: the ranks agree on the largest micro-batch count first,
+and a rank with fewer runs idle passes (one real token, router statistics off, loss 0 × log π: an exactly zero
+gradient on the same parameters). Hence no reference model, segments or prefix sharing there (their passes depend on
+a rank's own data), and AdamW only (Muon orthogonalises whole matrices). `score` and `named_weights` are collective
+(rank 0 gets the gathered weights); checkpoints hold the shards (`SHARDED_DIR`, torch.distributed.checkpoint) plus
+the gathered model in the released layout and `SHARDED_META`, and load only into the same layout.
+
 How the trainer drives it (driver process; `LearnerGroup` has the same methods as `Learner`):
 
     group = LearnerGroup(LearnerConfig.from_job(job, model_dir), num_ranks=job.rl.num_learners)
@@ -760,7 +771,8 @@ class LearnerGroup:
     CPU ranks on one node, PACK/SPREAD let GPU ranks span nodes. Rank 0 picks the rendezvous
     address and a free port on its node. `train_step` computes advantages on the driver, splits
     the trajectories across ranks balanced by tokens (groups may be split: advantages are known)
-    and returns rank 0's metrics, which are global. Checkpoint paths must be visible to the
+    and returns rank 0's metrics, which are global. A sharded group (`expert_parallel`/`fsdp`) calls every rank
+    for `named_weights` and `score` (split like `train_step`), since both are collective there. Checkpoint paths must be visible to the
     driver and every rank (one node, or a shared filesystem).
     """
 

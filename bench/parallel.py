@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="--plan: tokens per micro-batch")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this process only
     if args.plan:
         run_plan(args)
     else:

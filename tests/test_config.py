@@ -147,12 +147,17 @@ def test_every_learner_setting_reaches_the_learner_config():
               "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6, "muon_momentum": 0.9, "logprob_chunk_size": 7,
               "compute_entropy": True, "lr_scheduler": "cosine", "warmup_steps": 4, "total_steps": 40,
               "micro_batch_seqs": 2, "segment_tokens": 4096, "share_prefix": False, "decay_steps": 5,
-              "min_lr_ratio": 0.1}
+              "min_lr_ratio": 0.1, "expert_parallel": 1, "fsdp": False}
     assert set(values) == {f.name for f in dataclasses.fields(LearnerSettings)}
     job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"])
     cfg = LearnerConfig.from_job(job, "/policy")
     assert {k: getattr(cfg, k) for k in values} == values
     assert (cfg.model_path, cfg.algo, cfg.seed) == ("/policy", "ppo", 5)
+    # the sharded learner's keys (refused with Muon and segments above, so set on their own)
+    job = load_config(None, ["learner.expert_parallel=2", "learner.fsdp=true", "learner.share_prefix=false",
+                             "rl.num_learners=2", "algo.args.kl_coef=0"])
+    cfg = LearnerConfig.from_job(job, "/policy")
+    assert (cfg.expert_parallel, cfg.fsdp, cfg.sharded) == (2, True, True)
     # a decaying schedule without learner.total_steps decays over the job's steps
     job = load_config(None, ["learner.lr_scheduler=linear", "rl.steps=17"])
     assert LearnerConfig.from_job(job, "/policy").total_steps == 17

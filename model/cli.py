@@ -7,9 +7,11 @@ parameters by component, counted on the meta device.
 `init CONFIG OUT_DIR` writes a randomly initialised `K3ForCausalLM` (and its tokenizer) as a
 Hugging Face directory with `model.init.init_model`, in the layout its config chooses (model/hf_layout.py).
 
-`export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4]` reads a K3 directory in any layout k3rl
-reads (the two released ones, k3rl's old `k3rl_k3` one) and writes it in the chosen layout (default: the one
-its config chooses), weights in the dtype they were saved in, the tokenizer copied; `--quantize mxfp4`
+`export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4] [--trust-remote-code]` reads a K3 directory
+in any layout k3rl reads (the two released ones, k3rl's old `k3rl_k3` one) and writes it in the chosen layout
+(default: the one its config chooses), weights in the dtype they were saved in, the tokenizer copied (its own
+code, `tokenization_*.py`, only with `--trust-remote-code`: model/trust.py). Every file the source's index names
+must lie inside it, and a malformed index is refused by name (exit 2). `--quantize mxfp4`
 stores the routed experts in MXFP4, which is lossy (4-bit values, one shared power-of-two scale per 32).
 CONFIG is any recipe with a `model:` section, read by the job loader (`rl.config.load_model_config`:
 `base:` recipes, dotted overrides with or without the `model.` prefix). Both commands parse their
@@ -95,7 +97,8 @@ def init_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4]: a K3 directory in a released layout."""
+    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4] [--trust-remote-code]: a K3 directory
+    in a released layout."""
     parser = argparse.ArgumentParser(prog="k3rl export", description=export_main.__doc__)
     parser.add_argument("src", help="K3 directory in any layout k3rl reads (kimi_linear, kimi_k3, old k3rl_k3)")
     parser.add_argument("dst", help="directory to create (must not exist or be empty)")
@@ -103,6 +106,9 @@ def export_main(argv: list[str]) -> int:
                         help="layout to write (default: the config's checkpoint_layout rule)")
     parser.add_argument("--quantize", choices=("mxfp4",), default=None,
                         help="store the routed experts in MXFP4 (compressed-tensors): LOSSY")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="copy the source's own tokenizer code (tokenization_*.py named by an auto_map); "
+                             "without it such a source is refused")
     args = parser.parse_args(argv)
     if os.path.exists(args.dst) and os.listdir(args.dst):
         print(f"k3rl export: {args.dst} exists and is not empty", file=sys.stderr)
@@ -113,6 +119,7 @@ def export_main(argv: list[str]) -> int:
     import torch
 
     from model import hf_layout
+    from model.trust import check_remote_code
 
     src, dst = Path(args.src), Path(args.dst)
     try:
@@ -125,11 +132,14 @@ def export_main(argv: list[str]) -> int:
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"{src / hf_layout.CONFIG_FILE}: dtype {dtype_name!r} is not a floating-point type")
-        model = hf_layout.load_model(src, dtype=dtype)
         tokenizer = src if any(hf_layout.TOKENIZER_FILES.match(p.name) for p in src.iterdir()) else None
+        if tokenizer is not None:
+            check_remote_code(src, args.trust_remote_code, model=False)
+        model = hf_layout.load_model(src, dtype=dtype)
         tmp = dst.parent / f".{dst.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        hf_layout.save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize)
+        hf_layout.save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
+                             trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
         print(f"k3rl export: {e}", file=sys.stderr)
         return 2

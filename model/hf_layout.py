@@ -45,7 +45,8 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 
 from model.hf_names import split_experts, stack_experts
-from model.weight_files import read_extra, read_weights, write_extra, write_weights
+from model.trust import check_remote_code, inside
+from model.weight_files import read_extra, read_index, read_weights, write_extra, write_weights
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
 OLD_MODEL_TYPE = "k3rl_k3"
@@ -322,15 +323,9 @@ def from_released_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
 # ---- weight files (storage itself: model/weight_files.py)
 
 def _index_map(directory: Path) -> Optional[dict[str, str]]:
-    """The index's tensor → file map (None without an index)."""
-    path = directory / INDEX_FILE
-    if not path.is_file():
-        return None
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: cannot read the index ({type(e).__name__}: {e})") from e
-    return dict(weight_map)
+    """The index's tensor → file map (None without an index); a malformed index, or one naming a file outside
+    the directory, is an error naming it (model/weight_files.py `read_index`)."""
+    return read_index(directory)
 
 
 def _patch_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -459,10 +454,12 @@ TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_toke
                               r"vocab\..*|merges\.txt|.*\.tiktoken|tokenization_.*\.py|spiece\.model)$")
 
 
-def copy_tokenizer(source: Any, directory: str | Path) -> None:
+def copy_tokenizer(source: Any, directory: str | Path, trust_remote_code: bool = False) -> None:
     """The tokenizer of `source` into `directory`: a tokenizer object (`save_pretrained`), or a directory whose
-    tokenizer files (tokenizer.json, tokenizer_config.json, chat template, vocabularies, remote tokenizer code)
-    are copied as they are."""
+    tokenizer files (tokenizer.json, tokenizer_config.json, chat template, vocabularies) are copied as they are.
+    Its code (`tokenization_*.py`) is copied only with `trust_remote_code`; a tokenizer that asks for its code
+    without it is a `RemoteCodeError`, and a file that resolves outside `source` a `PathEscapeError`
+    (model/trust.py)."""
     directory = Path(directory)
     if hasattr(source, "save_pretrained"):
         source.save_pretrained(directory)
@@ -473,25 +470,31 @@ def copy_tokenizer(source: Any, directory: str | Path) -> None:
     if not files:
         raise FileNotFoundError(f"tokenizer_from: {source} holds no tokenizer files (tokenizer.json, "
                                 f"tokenizer_config.json, …)")
+    trusted = check_remote_code(source, trust_remote_code, model=False)
     for p in files:
+        inside(source, p.name, f"{source}: tokenizer file")
+        if p.suffix == ".py" and not trusted:
+            continue
         if p.resolve() != (directory / p.name).resolve():
             shutil.copyfile(p, directory / p.name)
 
 
 def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = None, tokenizer_from: Any = None,
-               quantize: Optional[str] = None, max_shard_bytes: Optional[int] = None) -> Path:
+               quantize: Optional[str] = None, max_shard_bytes: Optional[int] = None,
+               trust_remote_code: bool = False) -> Path:
     """Write `model` (a K3ForCausalLM) to `directory` in `layout` (default `layout_for(model.config)`): config.json,
     sharded safetensors + index under the released names, `PATCH_FILE` when images are on, the remote code of
-    model/remote/ (with `auto_map`), and the tokenizer of `tokenizer_from` when given (`copy_tokenizer`).
+    model/remote/ (with `auto_map`), and the tokenizer of `tokenizer_from` when given (`copy_tokenizer`: its code
+    only with `trust_remote_code`).
     `quantize="mxfp4"` stores the routed experts in MXFP4 (lossy). Weight files of an earlier save there are
     replaced; the caller makes the directory atomic (`rl.checkpoint.atomic_dir`, a temporary sibling)."""
     return save_state_dict(model.config, model.state_dict(), directory, layout=layout, tokenizer_from=tokenizer_from,
-                           quantize=quantize, max_shard_bytes=max_shard_bytes)
+                           quantize=quantize, max_shard_bytes=max_shard_bytes, trust_remote_code=trust_remote_code)
 
 
 def save_state_dict(config: Any, state: Mapping[str, torch.Tensor], directory: str | Path, *,
                     layout: Optional[str] = None, tokenizer_from: Any = None, quantize: Optional[str] = None,
-                    max_shard_bytes: Optional[int] = None) -> Path:
+                    max_shard_bytes: Optional[int] = None, trust_remote_code: bool = False) -> Path:
     """`save_model` from a K3Config and a full state dict in internal names (e.g. gathered from expert-parallel and
     FSDP-sharded ranks by rl/parallel.py `full_state_dict`)."""
     directory = Path(directory)
@@ -500,6 +503,9 @@ def save_state_dict(config: Any, state: Mapping[str, torch.Tensor], directory: s
         raise ValueError(f"layout: must be kimi_linear or kimi_k3, got {layout!r}")
     if "lm_head.weight" not in state:
         raise CheckpointError("save_state_dict: the state dict has no lm_head.weight (not a full K3 state dict)")
+    if tokenizer_from is not None and not hasattr(tokenizer_from, "save_pretrained"):
+        # refused before anything is written, not after the weights
+        check_remote_code(tokenizer_from, trust_remote_code, model=False)
     directory.mkdir(parents=True, exist_ok=True)
     for p in directory.iterdir():
         if p.is_file() and _OWN_FILES.match(p.name):
@@ -521,7 +527,7 @@ def save_state_dict(config: Any, state: Mapping[str, torch.Tensor], directory: s
         for p in sorted(REMOTE_DIR.glob("*.py")):
             shutil.copyfile(p, directory / p.name)
     if tokenizer_from is not None:
-        copy_tokenizer(tokenizer_from, directory)
+        copy_tokenizer(tokenizer_from, directory, trust_remote_code=trust_remote_code)
     return directory
 
 

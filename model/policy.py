@@ -4,7 +4,8 @@ toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supe
 
 - `load_policy(path, dtype, device)`: an HF directory (config.json required); a K3 directory (released
   layouts or k3rl's old one, by config.json's model_type) is read by model/hf_layout.py, any other causal LM
-  by transformers' Auto classes; dropout is switched off.
+  by transformers' Auto classes (a directory's own code only with `trust_remote_code`, model/trust.py);
+  dropout is switched off.
 - `is_k3`: answered once, by type.
 - `final_hidden(input_ids, attention_mask, routed_expert_ids, rows, position_ids)`: the hidden states the LM
   head reads. K3 returns its pre-norm state (`return_hidden_states=True`) and the final norm is applied
@@ -36,10 +37,13 @@ from model.logprobs import selected_logprobs
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                dropout: bool = False) -> "Policy":
+                dropout: bool = False, trust_remote_code: bool = False) -> "Policy":
     """The policy of an HF directory (K3 in any layout model/hf_layout.py reads, or any causal LM) in `dtype` on
-    `device`; its dropout is switched off (RL compares the policy with itself) unless `dropout`."""
+    `device`; its dropout is switched off (RL compares the policy with itself) unless `dropout`. A directory whose
+    config.json asks for its own model code (`auto_map`) is loaded only with `trust_remote_code` (model/trust.py);
+    a K3 directory never runs its code (k3rl reads it natively)."""
     from model import hf_layout
+    from model.trust import check_remote_code
 
     path = Path(path)
     if hf_layout.is_k3_dir(path):  # K3 has no dropout
@@ -48,11 +52,13 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    trust = check_remote_code(path, trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     for name, value in list(config.to_dict().items()):
         if not dropout and (name.endswith("dropout") or name.endswith("_pdrop")) and isinstance(value, float):
             setattr(config, name, 0.0)
-    return Policy(AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device))
+    return Policy(AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                      trust_remote_code=trust).to(device))
 
 
 class Policy:

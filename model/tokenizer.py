@@ -19,7 +19,6 @@ Byte-level means every string round-trips (`decode(encode(s)) == s`), whatever t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,16 +85,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     return wrapped
 
 
-def load_tokenizer(path: str | Path, **kwargs) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, **kwargs) -> PreTrainedTokenizerFast:
     """The tokenizer of a model directory (k3rl's, a released one, or a hub id with `local_files_only`).
 
-    Every k3rl reader goes through here. A kimi_k3 directory's config.json names remote model code, which a
-    tokenizer never needs: `kimi_k3_config_registered` keeps transformers from asking about it. A tokenizer that is
-    itself remote code (the released Kimi tokenizer: `auto_map` in tokenizer_config.json) is trusted, as the
-    directory is one the user pointed k3rl at."""
+    Every k3rl reader goes through here. A tokenizer that is itself remote code (the released Kimi tokenizer:
+    `auto_map` in tokenizer_config.json) is imported only when `trust_remote_code` (the job's
+    `run.trust_remote_code`); otherwise model/trust.py's `RemoteCodeError` names the file. A kimi_k3 directory's
+    config.json names k3rl's remote model code, which a tokenizer never needs: `kimi_k3_config_registered`
+    keeps transformers from asking about it."""
     from model.hf_layout import kimi_k3_config_registered
+    from model.trust import check_remote_code
 
-    tok_config = Path(path) / "tokenizer_config.json"
-    remote = tok_config.is_file() and "auto_map" in json.loads(tok_config.read_text())
+    trust = check_remote_code(path, trust_remote_code, model=False) if Path(path).is_dir() else trust_remote_code
     with kimi_k3_config_registered():
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=remote or None, **kwargs)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust, **kwargs)

@@ -15,8 +15,8 @@ issue 18 and docs/model_spec.md §4.7):
 `read_weights` reads any such directory (and directories written by other tools): through the index
 when there is one, otherwise every `*.safetensors` but the side file; MXFP4 tensors are dequantized
 back to `<module>.weight` when config.json (top level, or `text_config`) declares compressed-tensors
-`mxfp4-pack-quantized`. Every failure names the file or tensor: a shard the index lists but the directory
-lacks, a tensor the index maps to a shard that lacks it, a truncated or corrupt file, packed weights
+`mxfp4-pack-quantized`. Every failure names the file or tensor: a malformed index (`read_index`), a file it
+names outside the directory (model/trust.py), a shard the index lists but the directory lacks, a tensor the index maps to a shard that lacks it, a truncated or corrupt file, packed weights
 without their scales, any other quantization method or format.
 
 Writing deletes shards of an earlier write (`model-*-of-*.safetensors` not written now) and a
@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model import mxfp4
+from model.trust import inside
 
 INDEX_NAME = "model.safetensors.index.json"
 PATCH_EMBED_FILE = "k3rl_patch_embed.safetensors"
@@ -129,11 +130,8 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
         raise FileNotFoundError(f"read_weights: {directory} is not a directory")
     quant = _quantization_config(directory)
     index_path = directory / INDEX_NAME
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"read_weights: {index_path} is not a safetensors index ({e})") from e
+    weight_map = read_index(directory)
+    if weight_map is not None:
         by_file: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             by_file.setdefault(fname, []).append(name)
@@ -144,7 +142,7 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
         files = sorted(p.name for p in directory.glob("*.safetensors") if p.name != PATCH_EMBED_FILE)
         if not files:
             raise FileNotFoundError(f"read_weights: no {INDEX_NAME} and no *.safetensors in {directory}")
-        by_file = {fname: None for fname in files}
+        by_file = {inside(directory, fname, f"{directory}: weight file").name: None for fname in files}
 
     raw: dict[str, torch.Tensor] = {}
     for fname, names in by_file.items():
@@ -180,6 +178,35 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
     return weights
 
 
+def read_index(directory: PathLike) -> Optional[dict[str, str]]:
+    """The `weight_map` (tensor → file) of the directory's `model.safetensors.index.json`, None without one.
+
+    The index is untrusted: anything but a JSON object whose `weight_map` maps tensor names to file names is a
+    ValueError naming the index, and a file that resolves outside the directory (absolute, `..`, a symlink out)
+    is a `PathEscapeError` naming the index, the tensor and the path (model/trust.py)."""
+    directory = Path(directory)
+    path = directory / INDEX_NAME
+    if not path.exists():
+        return None
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from e
+    if not isinstance(index, dict):
+        raise ValueError(f"{path}: not a safetensors index (a JSON {type(index).__name__}, not an object)")
+    if "weight_map" not in index:
+        raise ValueError(f"{path}: not a safetensors index (no weight_map)")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{path}: weight_map must be an object of tensor name → file name, "
+                         f"got a {type(weight_map).__name__}")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str):
+            raise ValueError(f"{path}: weight_map[{name!r}] must be a file name, got {fname!r}")
+        inside(directory, fname, f"{path}: tensor {name}")
+    return dict(weight_map)
+
+
 def write_extra(directory: PathLike, filename: str, tensors: Mapping[str, torch.Tensor]) -> None:
     """Write a side file (e.g. `PATCH_EMBED_FILE`) that the index does not list, so other tools skip it."""
     if filename == "model.safetensors" or _SHARD.match(filename):
@@ -190,8 +217,9 @@ def write_extra(directory: PathLike, filename: str, tensors: Mapping[str, torch.
 
 
 def read_extra(directory: PathLike, filename: str) -> dict[str, torch.Tensor]:
-    """The tensors of side file `filename` in `directory`; an empty dict when the file does not exist."""
-    path = Path(directory) / filename
+    """The tensors of side file `filename` in `directory`; an empty dict when the file does not exist. A side
+    file that resolves outside the directory (a symlink out) is a `PathEscapeError`."""
+    path = inside(directory, filename, f"{directory}: side file")
     return _read_file(path, None) if path.exists() else {}
 
 
@@ -202,7 +230,7 @@ def _read_file(path: Path, names: Optional[list[str]]) -> dict[str, torch.Tensor
             keys = set(f.keys())
             for name in names or []:
                 if name not in keys:
-                    raise KeyError(f"read_weights: tensor {name} is mapped to {path.name} but that file lacks it")
+                    raise ValueError(f"read_weights: tensor {name} is mapped to {path.name} but that file lacks it")
             return {name: f.get_tensor(name) for name in (names if names is not None else sorted(keys))}
     except SafetensorError as e:
         raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e

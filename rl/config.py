@@ -41,6 +41,11 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"
     """`cpu` or `cuda`."""
+    trust_remote_code: bool = False
+    """Whether a model directory's own Python code (an `auto_map` in its tokenizer_config.json or config.json:
+    `tokenization_*.py`, `modeling_*.py`) may be imported, by every command and Ray worker of the job, and copied
+    into checkpoints. Off: such a directory is refused by name (model/trust.py); k3rl's own K3 directories never
+    need it."""
 
 
 @dataclass

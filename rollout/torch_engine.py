@@ -101,12 +101,15 @@ class TorchEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        **kwargs) -> "TorchEngine":
+                        trust_remote_code: bool = False, **kwargs) -> "TorchEngine":
+        """The engine of an HF directory; the directory's own code runs only with `trust_remote_code`
+        (model/trust.py)."""
         from model.policy import load_policy
         from model.tokenizer import load_tokenizer
 
-        policy = load_policy(model_dir, dtype=dtype)
-        return cls(policy.model, load_tokenizer(model_dir), device=device, **kwargs)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+        policy = load_policy(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        return cls(policy.model, tokenizer, device=device, **kwargs)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      keep_sessions: bool = False) -> None:

@@ -29,14 +29,19 @@ def configure_cpu_env(overwrite: bool = False) -> dict[str, str]:
     return {k: os.environ[k] for k in CPU_ENV}
 
 
-def make_cpu_llm(model_dir: str, max_model_len: int = 1024, dtype: str = "float32", seed: int = 0, **kwargs):
-    """A `vllm.LLM` for a local model directory with the CPU settings applied."""
+def make_cpu_llm(model_dir: str, max_model_len: int = 1024, dtype: str = "float32", seed: int = 0,
+                 trust_remote_code: bool = False, **kwargs):
+    """A `vllm.LLM` for a local model directory with the CPU settings applied; the directory's own code runs
+    only with `trust_remote_code` (model/trust.py)."""
+    from model.trust import check_remote_code
+
+    trust = check_remote_code(model_dir, trust_remote_code)
     configure_cpu_env()
     import vllm
 
     with _shielded_from_kernel_scan():
         return vllm.LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                        seed=seed, **kwargs)
+                        seed=seed, trust_remote_code=trust, **kwargs)
 
 
 @contextmanager

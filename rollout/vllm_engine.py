@@ -61,8 +61,12 @@ class VLLMEngine:
     """Serve any model vLLM supports from a local HF directory; see module docstring."""
 
     def __init__(self, model_dir: str | Path, max_model_len: int = 4096, dtype: str = "auto", seed: int = 0,
-                 **llm_kwargs):
+                 trust_remote_code: bool = False, **llm_kwargs):
+        from model.trust import check_remote_code
+
         self.model_dir = Path(model_dir)
+        # vLLM imports a directory's tokenizer and model code only with this (model/trust.py)
+        llm_kwargs["trust_remote_code"] = check_remote_code(self.model_dir, trust_remote_code)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.layout = k3_layout(config)

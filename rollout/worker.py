@@ -45,6 +45,8 @@ class WorkerSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     partial_resume: str = "reprefill"
     """How a paused episode continues under new weights (rl/config.py `rollout.partial_resume`)."""
+    trust_remote_code: bool = False
+    """Whether the model directory's own Python code may run (`run.trust_remote_code`, model/trust.py)."""
 
 
 @dataclass
@@ -57,9 +59,11 @@ class PartialCollection:
     """Group ids still held by the worker (at least one episode paused), for its next call."""
 
 
-# What each engine sets itself from the job (the model directory, context length, seed, device, and for the
-# native engine whether a stale session state continues, from `rollout.partial_resume`).
-_SET_BY_JOB = {"model", "model_dir", "tokenizer", "max_model_len", "seed", "device", "resume_stale"}
+# What each engine sets itself from the job (the model directory, context length, seed, device, whether the
+# directory's own code may run, from `run.trust_remote_code`, and for the native engine whether a stale session
+# state continues, from `rollout.partial_resume`).
+_SET_BY_JOB = {"model", "model_dir", "tokenizer", "max_model_len", "seed", "device", "resume_stale",
+               "trust_remote_code"}
 
 
 def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str, Any], model_dir: str) -> None:
@@ -114,16 +118,19 @@ def check_engine_args(engine: str, args: dict[str, Any]) -> None:
 
 
 def build_engine(spec: WorkerSpec):
-    """The engine named by `spec.engine`, loaded from `spec.model_dir`."""
+    """The engine named by `spec.engine`, loaded from `spec.model_dir` (its own code only with
+    `spec.trust_remote_code`)."""
     if spec.engine == "torch":
         from rollout.torch_engine import TorchEngine
 
         return TorchEngine.from_pretrained(spec.model_dir, device=spec.device, seed=spec.seed,
-                                           resume_stale=spec.partial_resume == "keep_state", **spec.engine_kwargs)
+                                           resume_stale=spec.partial_resume == "keep_state",
+                                           trust_remote_code=spec.trust_remote_code, **spec.engine_kwargs)
     if spec.engine == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(spec.model_dir, max_model_len=spec.max_context_tokens, seed=spec.seed, **spec.engine_kwargs)
+        return VLLMEngine(spec.model_dir, max_model_len=spec.max_context_tokens, seed=spec.seed,
+                          trust_remote_code=spec.trust_remote_code, **spec.engine_kwargs)
     raise ValueError(f"unknown rollout engine {spec.engine!r}; choose 'torch' or 'vllm'")
 
 

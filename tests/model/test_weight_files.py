@@ -197,7 +197,7 @@ def test_tensor_missing_from_its_shard_is_named(tmp_path):
     index = _released(tmp_path)
     index["weight_map"][f"{P}model.layers.0.mlp.extra.weight"] = index["weight_map"][f"{P}lm_head.weight"]
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(KeyError, match=r"tensor language_model.model.layers.0.mlp.extra.weight is mapped to model-"):
+    with pytest.raises(ValueError, match=r"tensor language_model.model.layers.0.mlp.extra.weight is mapped to model-"):
         read_weights(tmp_path)
 
 

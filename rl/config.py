@@ -550,6 +550,17 @@ def load_model_config(path: str | Path, overrides: list[str] = ()) -> Any:
         raise ConfigError(f"{path}: model.{e}") from None
 
 
+def check_model_code(cfg: Any, key: str, path: str | Path, model: bool = True) -> None:
+    """A ConfigError naming `key` when the model directory `path` asks to run its own code (an `auto_map`;
+    only the tokenizer's unless `model`) and `run.trust_remote_code` is off (model/trust.py): before any work."""
+    from model.trust import RemoteCodeError, check_remote_code
+
+    try:
+        check_remote_code(path, bool(cfg.run.trust_remote_code), model=model)
+    except RemoteCodeError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 

@@ -127,9 +127,13 @@ class ModelRunner:
 
     def __init__(self, cfg: Any, model_path: str, engine: str = "torch"):
         from model.tokenizer import load_tokenizer
+        from rl.config import check_model_code
 
         self.cfg, self.model_path, self.backend = cfg, str(model_path), engine
-        self.tokenizer = load_tokenizer(model_path)
+        # the directory's own code runs only with run.trust_remote_code (model/trust.py): refused before loading
+        check_model_code(cfg, "eval.model_path", model_path)
+        trust = bool(cfg.run.trust_remote_code)
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code=trust)
         if engine == "vllm":
             from omegaconf import OmegaConf
             from transformers import AutoConfig
@@ -139,16 +143,17 @@ class ModelRunner:
 
             # a K3 directory through k3rl's reader (transformers' own kimi_linear is another model)
             text = (hf_layout.read_config(model_path) if hf_layout.is_k3_dir(model_path)
-                    else AutoConfig.from_pretrained(model_path).get_text_config())
+                    else AutoConfig.from_pretrained(model_path, trust_remote_code=trust).get_text_config())
             self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
             args = OmegaConf.to_container(cfg.rollout.engine_args, resolve=True) or {}
+            args["trust_remote_code"] = trust
             self.engine = VLLMEngine(model_path, max_model_len=self.limit(), seed=cfg.run.seed, **args)
         else:
             import torch
 
             from model.policy import load_policy
 
-            self.policy = load_policy(model_path, torch.float32, cfg.run.device)
+            self.policy = load_policy(model_path, torch.float32, cfg.run.device, trust_remote_code=trust)
             self.model = self.policy.model.eval()
             text = self.model.config.get_text_config()
             own = int(getattr(text, "max_position_embeddings", 0) or 0)

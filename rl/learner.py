@@ -114,6 +114,9 @@ class LearnerConfig(LearnerSettings):
 
     model_path: str = ""
     """Hugging Face directory of the initial policy (K3 or any HF causal LM)."""
+    trust_remote_code: bool = False
+    """Whether that directory's own Python code may run and be copied into checkpoints (`run.trust_remote_code`,
+    model/trust.py)."""
     algo: str = "grpo"
     """Name of an algorithm in `rl/algos/`."""
     algo_args: dict[str, Any] = field(default_factory=dict)
@@ -195,7 +198,7 @@ class LearnerConfig(LearnerSettings):
             values["total_steps"] = int(job.rl.steps)
         values.update(model_path=str(model_path), algo=job.algo.name, algo_args=OmegaConf.to_container(job.algo.args)
                       if OmegaConf.is_config(job.algo.args) else dict(job.algo.args), seed=job.run.seed,
-                      device=job.run.device)
+                      device=job.run.device, trust_remote_code=bool(getattr(job.run, "trust_remote_code", False)))
         cfg = cls(**{**values, **overrides})
         if "rl" in job and "num_learners" in job.rl:
             cfg.check_ranks(int(job.rl.num_learners))
@@ -231,7 +234,8 @@ class Learner:
         self.world_size = parallel.get_world_size(group)
         self.device = torch.device(cfg.device)
         self.algo = get_algo(cfg.algo, **dict(cfg.algo_args))
-        self.policy = load_policy(cfg.model_path, DTYPES[cfg.dtype], self.device)
+        self.policy = load_policy(cfg.model_path, DTYPES[cfg.dtype], self.device,
+                                  trust_remote_code=cfg.trust_remote_code)
         self.model = self.policy.model
         if cfg.rope_theta is not None:
             set_rope_theta(self.model, cfg.rope_theta)
@@ -248,7 +252,8 @@ class Learner:
         self._replay = bool(cfg.routing_replay and self._routers and self.policy.is_k3)
         self.ref_policy: Optional[Policy] = None
         if getattr(self.algo.cfg, "kl_coef", 0.0) > 0:
-            self.ref_policy = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device)
+            self.ref_policy = load_policy(cfg.ref_model_path or cfg.model_path, DTYPES[cfg.dtype], self.device,
+                                          trust_remote_code=cfg.trust_remote_code)
             self.ref_policy.model.eval().requires_grad_(False)
         self.mesh = None
         """The ("dp", "ep") DeviceMesh of an expert-parallel / FSDP2 learner (rl/parallel.py), else None."""
@@ -573,11 +578,13 @@ class Learner:
             parallel.save_sharded(directory / SHARDED_DIR, self.model, self.optimizers)
             state = parallel.full_state_dict(self.model, self.mesh)
             if self.rank == 0:
-                hf_layout.save_state_dict(self.model.config, state, directory, tokenizer_from=tokenizer)
+                hf_layout.save_state_dict(self.model.config, state, directory, tokenizer_from=tokenizer,
+                                          trust_remote_code=self.cfg.trust_remote_code)
                 (directory / SHARDED_META).write_text(json.dumps(self._layout(), indent=1) + "\n")
         elif self.rank == 0:
             if self.policy.is_k3:  # the released layout the model config chooses (model/hf_layout.py)
-                hf_layout.save_model(self.model, directory, tokenizer_from=tokenizer)
+                hf_layout.save_model(self.model, directory, tokenizer_from=tokenizer,
+                                     trust_remote_code=self.cfg.trust_remote_code)
             else:
                 self.model.save_pretrained(directory, safe_serialization=True)
                 self._save_tokenizer(directory)
@@ -591,7 +598,7 @@ class Learner:
             return
         from model.tokenizer import load_tokenizer
 
-        load_tokenizer(self.tokenizer_path).save_pretrained(directory)
+        load_tokenizer(self.tokenizer_path, trust_remote_code=self.cfg.trust_remote_code).save_pretrained(directory)
 
     def save(self, path: str | Path) -> None:
         """An atomic single-rank checkpoint at `path` (replacing one that is there)."""

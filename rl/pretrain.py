@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from rl.config import ConfigError, JobConfig
+from rl.config import ConfigError, JobConfig, check_model_code
 from rl import stages as st
 
 PRETRAIN_HEADLINE = (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm"), ("train_tokens_per_s", "tok/s"),
@@ -72,6 +72,8 @@ def check(cfg: Any) -> tuple[Any, list[str]]:
     """(model config, notes) of a climb that can run; ConfigError naming the key otherwise."""
     if cfg.run.device not in ("cpu", "cuda"):
         raise ConfigError(f"run.device: `cpu` or `cuda`, got {cfg.run.device!r}")
+    if cfg.pretrain.model_dir is not None:
+        check_model_code(cfg, "pretrain.model_dir", cfg.pretrain.model_dir)
     config = model_config(cfg)
     notes = st.check_stages(cfg, config, sources_of(cfg))
     from envs.longctx.families import FAMILIES
@@ -299,7 +301,7 @@ class Climb:
         (self.run_dir / CLIMB_FILE).write_text(json.dumps(self.identity, indent=1, default=str))
         self._write_plan()
         started = time.perf_counter()
-        tokenizer = load_tokenizer(self.start_model())
+        tokenizer = load_tokenizer(self.start_model(), trust_remote_code=bool(self.cfg.run.trust_remote_code))
         self.load_data(tokenizer)
         previous: Optional[Path] = None
         for index, stage in enumerate(self.cfg.pretrain.stages):

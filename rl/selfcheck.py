@@ -112,13 +112,12 @@ def check_vllm(work_dir: Path) -> dict:
     configure_cpu_env()
     import torch
     import vllm
-    from transformers import AutoTokenizer
-
     from model.policy import load_policy
+    from model.tokenizer import load_tokenizer
     from rollout.tiny_qwen3 import build_tiny_qwen3
 
     model_dir = build_tiny_qwen3(work_dir / "tiny-qwen3")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Which module parses JSON?"}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     llm = make_cpu_llm(str(model_dir), max_model_len=512)

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl.config import ConfigError, JobConfig, SFTConfig  # noqa: F401  (SFTConfig: the `sft:` section)
+from rl.config import ConfigError, JobConfig, check_model_code
+from rl.config import SFTConfig  # noqa: F401  (the `sft:` section)
 from rl.demonstrations import collect_demonstrations
 from rl.metrics import MetricsLogger
 from rl.supervised import as_trajectory, num_steps, step_batches, train_supervised
@@ -111,6 +112,7 @@ def _check(cfg) -> None:
             raise ConfigError(f"sft.model_dir: {path} does not exist")
         if not (path / "config.json").is_file():
             raise ConfigError(f"sft.model_dir: {path} is not a Hugging Face model directory (no config.json)")
+        check_model_code(cfg, "sft.model_dir", path)
     for key in ("num_tasks", "batch_size", "grad_accum", "logging_steps", "logprob_chunk_size"):
         if getattr(sft, key) <= 0:
             raise ConfigError(f"sft.{key}: must be > 0, got {getattr(sft, key)}")
@@ -150,7 +152,7 @@ def run_sft(cfg) -> Path:
     model_dir = Path(sft.model_dir) if sft.model_dir is not None else init_model(cfg.model, run_dir / "init", run.seed)
     from model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(run.trust_remote_code))
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"sft.model_dir: the tokenizer in {model_dir} has no chat template")
 

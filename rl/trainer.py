@@ -107,7 +107,7 @@ from ray.exceptions import RayActorError
 from rl.buffer import Taken
 from rl.collector import Collector
 from rl.cluster import init_ray
-from rl.config import ConfigError, JobConfig, load_config, to_yaml
+from rl.config import ConfigError, JobConfig, check_model_code, load_config, to_yaml
 from rl.evaluate import is_success, score, success_rule
 from rl.metrics import METRICS_FILE, MetricsLogger, plot
 from rl.tasks import make_tasks, read_tasks, remove_training_tasks
@@ -175,7 +175,8 @@ class Trainer:
             engine_kwargs=OmegaConf.to_container(ro.engine_args, resolve=True),
             sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_new_tokens),
             max_context_tokens=ro.max_context_tokens, budget=with_budget(env.budget, max_turns=ro.max_turns),
-            seed=cfg.run.seed, device=cfg.run.device, partial_resume=str(ro.partial_resume))
+            seed=cfg.run.seed, device=cfg.run.device, partial_resume=str(ro.partial_resume),
+            trust_remote_code=bool(cfg.run.trust_remote_code))
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=1.0,
                                             max_tokens=ro.max_new_tokens, seed=cfg.run.seed)
 
@@ -260,6 +261,9 @@ class Trainer:
         if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ConfigError(f"rl.model_path: {model_dir} has no tokenizer (tokenizer.json / tokenizer_config.json); "
                               f"the rollout engines and the chat template need one (`k3rl init` writes both)")
+        check_model_code(self.cfg, "rl.model_path", model_dir)
+        if self.cfg.learner.ref_model_path:
+            check_model_code(self.cfg, "learner.ref_model_path", self.cfg.learner.ref_model_path)
         positive = ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.num_learners",
                     "rl.keep_checkpoints")
         for key in positive:
@@ -465,7 +469,7 @@ class Trainer:
         if self._tok is None:
             from model.tokenizer import load_tokenizer
 
-            self._tok = load_tokenizer(str(self.rl.model_path))
+            self._tok = load_tokenizer(str(self.rl.model_path), trust_remote_code=bool(self.cfg.run.trust_remote_code))
         return self._tok
 
     # ---- checkpoints

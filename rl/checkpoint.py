@@ -24,7 +24,8 @@ directory that holds a `COMPLETE` manifest (a crash between the rename and the p
 loses nothing) and ignores temp, trash and manifest-less directories. `verify` checks the manifest
 against the files on disk — size and content hash of every file (manifests written before hashes
 existed are checked by size) — so a flipped byte anywhere is a `CorruptCheckpointError` naming the
-file. A newest checkpoint that does not verify is skipped for the newest one that does only when the
+file. The manifest, `verify` and the errors live in model/integrity.py (re-exported here), because every load of a
+model directory verifies it, not only a resume. A newest checkpoint that does not verify is skipped for the newest one that does only when the
 caller asks (`find_latest(root, on_corrupt=…)`, which is told what was skipped, so the run can say
 it is going back a few steps); by default it raises.
 
@@ -51,23 +52,14 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-COMPLETE = "COMPLETE"
+# the manifest and its verification live in model/ (every model load verifies it); re-exported here
+from model.integrity import (COMPLETE, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError,
+                             file_manifest, sha256_file, verify)
+
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _TRAJECTORIES = "__trajectories__"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """The directory has no COMPLETE manifest: a save that never finished, or not a checkpoint."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """The manifest does not match the files on disk, or a file cannot be read."""
 
 
 def step_dir_name(step: int) -> str:
@@ -88,25 +80,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _manifest(root: Path) -> dict[str, dict[str, Any]]:
-    """Relative path → {size, sha256} of every file under root (the manifest itself excluded)."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and path.name != COMPLETE:
-            out[path.relative_to(root).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    return out
 
 
 def _sync_tree(root: Path) -> None:
@@ -132,40 +105,12 @@ def mark_complete(directory: str | Path, **meta: Any) -> None:
     """fsync everything under `directory`, then write its COMPLETE manifest (last, fsynced)."""
     directory = Path(directory)
     _sync_tree(directory)
-    manifest = {"files": _manifest(directory), **meta}
+    manifest = {"files": file_manifest(directory), **meta}
     with open(directory / COMPLETE, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(directory)
-
-
-def verify(directory: str | Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; IncompleteCheckpointError / CorruptCheckpointError otherwise."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise IncompleteCheckpointError(f"no checkpoint directory at {directory}")
-    marker = directory / COMPLETE
-    if not marker.is_file():
-        raise IncompleteCheckpointError(f"{directory}: no {COMPLETE} manifest (a save that did not finish?)")
-    try:
-        manifest = json.loads(marker.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{directory}: unreadable {COMPLETE} manifest ({e})") from None
-    for rel, entry in files.items():
-        # manifests written before content hashes existed hold the size only
-        size, digest = (entry, None) if isinstance(entry, int) else (entry.get("size"), entry.get("sha256"))
-        path = directory / rel
-        if not path.is_file():
-            raise CorruptCheckpointError(f"{directory}: {rel} is listed in the manifest but missing")
-        if path.stat().st_size != size:
-            raise CorruptCheckpointError(f"{directory}: {rel} has {path.stat().st_size} bytes, "
-                                         f"the manifest says {size}")
-        if digest is not None and sha256_file(path) != digest:
-            raise CorruptCheckpointError(f"{directory}: {rel} does not match its content hash in the manifest "
-                                         f"(the file changed after it was saved)")
-    return manifest
 
 
 @contextmanager

@@ -320,8 +320,17 @@ def load_documents(
     return docs
 
 
+def _blank(path: Path) -> bool:
+    """Whether the file holds nothing but whitespace (read in blocks: it may be large)."""
+    with open(path, "rb") as f:
+        return all(not block.strip() for block in iter(lambda: f.read(1 << 20), b""))
+
+
 def _diagnose(path: Path, kind: str, exc: Exception) -> str:
     """Name the file and, for JSONL, the first line that does not parse."""
+    if _blank(path):
+        # `datasets` reports an empty JSON file as a bare StopIteration
+        return f"{path}: the file is empty (no documents)"
     if kind == "json":
         try:
             with open(path, encoding="utf-8") as f:

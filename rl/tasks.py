@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from envs.jsonl import JsonlError, jsonl_lines, parse_line
 from rl.config import BadRows, ConfigError
 
 
@@ -51,7 +52,8 @@ def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
     before anything runs instead of failing later inside a rollout worker.
 
     `bad_rows`: `refuse` (the first bad row is a ConfigError) or `skip` (bad rows are left out and
-    described in `skipped`, "file:line: reason" each). A file that is not UTF-8 is refused either way."""
+    described in `skipped`, "file:line: reason" each). A file that is not UTF-8 is refused either way.
+    Lines are split on `\n` only (envs/jsonl.py reads them)."""
     if bad_rows not in BAD_ROW_POLICIES:
         raise ConfigError(f"bad task rows: {bad_rows!r} is not one of {', '.join(BAD_ROW_POLICIES)}")
     path = Path(path)
@@ -59,22 +61,21 @@ def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
         raise ConfigError(f"task file not found: {path}")
     tasks = []
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+        # split on `\n` only: a JSON string may hold U+2028 and the other Unicode line breaks
+        lines = list(jsonl_lines(path))
+    except JsonlError as e:
+        raise ConfigError(str(e)) from None
+    for i, line in lines:
         try:
-            task = json.loads(line)
+            task = parse_line(f"{path}:{i}", line)
             if env is not None:
                 try:
                     env.reset(task)
                 except Exception as e:  # whatever the environment raises for a task it cannot start
                     raise ConfigError(f"not a task of environment {type(env).__name__} "
                                       f"({type(e).__name__}: {e})") from None
-        except json.JSONDecodeError as e:
-            problem = f"{path}:{i}: not valid JSON ({e.msg})"
+        except JsonlError as e:
+            problem = str(e)
         except ConfigError as e:
             problem = f"{path}:{i}: {e}"
         else:

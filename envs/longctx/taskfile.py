@@ -32,7 +32,6 @@ order, as the synthetic families have, so every serving, oracle and report works
 
 from __future__ import annotations
 
-import json
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,12 +41,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 from envs.base import Env, Policy, as_token_counter
+from envs.jsonl import JsonlError, jsonl_lines, parse_line
 from envs.longctx.haystack import LINE, haystack_pool, render_context
 from envs.longctx.oracles import PassageContextOracle, PassageSearchOracle
 from envs.longctx.serving import LongContextEnv, LongContextSearchEnv
 from envs.longctx.task import UNANSWERABLE, Instance
 from envs.registry import register
 from envs.scoring import normalize_answer
+from envs.sources import CorpusError
 
 FILE_FAMILY = "file"
 SUMMARY = "Long-context QA over real documents from a JSONL task file (path=…): multi-hop or long-document."
@@ -216,17 +217,17 @@ def _read(path: str, mtime_ns: int, size: int) -> TaskFile:
     corpora: dict[str, Any] = {}
     tasks: list[FileTask] = []
     lines: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        for n, line in jsonl_lines(path):
             task = _parse(path, n, line, lambda name: _corpus(path, name, corpora))
             if task.id in lines:
                 raise TaskFileError(f"{path}:{n}: duplicate task id {task.id!r} (first on line {lines[task.id]})")
             lines[task.id] = n
             tasks.append(task)
+    except JsonlError as e:
+        raise TaskFileError(str(e)) from None
     if not tasks:
-        raise TaskFileError(f"{path}: no tasks (one JSON object per line)")
+        raise TaskFileError(f"{path}:1: no tasks (the file is empty or blank; one JSON object per line)")
     return TaskFile(path, tasks)
 
 
@@ -236,10 +237,7 @@ def _is_id(value: Any) -> bool:
 
 def _parse(path: str, n: int, line: str, corpus: Callable[[str], Any]) -> FileTask:
     where = f"{path}:{n}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TaskFileError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    row = parse_line(where, line)
     if not isinstance(row, dict):
         raise TaskFileError(f"{where}: a task is a JSON object, got {type(row).__name__}")
     if not _is_id(row.get("id")):
@@ -279,7 +277,7 @@ def _parse(path: str, n: int, line: str, corpus: Callable[[str], Any]) -> FileTa
                                 f"{row['corpus']!r} the answer rests on)")
         try:
             found = corpus(row["corpus"])
-        except (OSError, ValueError, RuntimeError) as e:
+        except (OSError, ValueError, RuntimeError, LookupError, TypeError, CorpusError) as e:
             raise TaskFileError(f"{where}: corpus {row['corpus']!r}: {e}") from None
         passages, missing = [], []
         for e in evidence:

@@ -143,7 +143,7 @@ GOOD = {"id": "a", "question": "Who?", "answers": ["Ann"], "passages": [{"id": "
 @pytest.mark.parametrize("lines, extra, message", [
     (None, ["eval.tasks_file=/nonexistent/tasks.jsonl"], "eval.tasks_file: /nonexistent/tasks.jsonl: no such task file"),
     (None, ["eval.tasks_file=null"], "eval.tasks_file: the 'file' family needs a JSONL task file"),
-    ([GOOD, '{"id": "b", "question": '], [], "tasks.jsonl:2: not JSON"),
+    ([GOOD, '{"id": "b", "question": '], [], "tasks.jsonl:2: not valid JSON"),
     (["[1, 2]"], [], "tasks.jsonl:1: a task is a JSON object, got list"),
     ([{**GOOD, "question": ""}], [], "tasks.jsonl:1: task 'a': no question"),
     ([{k: v for k, v in GOOD.items() if k != "answers"}], [], "tasks.jsonl:1: task 'a': no answers"),

@@ -252,7 +252,7 @@ def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, t
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"question": "caf\xe9"}\n'.encode("latin-1"))
     for path, message in ((shaped, f"{shaped}:3: not a task of environment SearchEnv"),
-                          (latin, f"{latin}: not UTF-8 text")):
+                          (latin, f"{latin}:1: not UTF-8 text")):
         items = overrides(tmp_path, tiny_qwen3_dir, task_files, "tasks") + [f"env.tasks_path={path}"]
         with pytest.raises(ConfigError) as e:
             Trainer(load_config(None, items, schema=TrainJobConfig))

@@ -1,0 +1,90 @@
+"""Strict JSONL reading for files a user hands k3rl (task files, training task rows, pretraining data).
+
+A line is what lies between two `\\n` bytes — never a Unicode line break such as U+2028 or U+0085, which
+may sit inside a JSON string — and must be UTF-8 (no byte-order mark: a UTF-16 file or one saved with a
+BOM is named as such). A value is refused, with `path:line: what is wrong`, where plain `json.loads` would
+raise something other than `JSONDecodeError` or let through what later breaks a run: an integer longer
+than Python converts (`ValueError`), nesting deeper than `MAX_DEPTH` (`RecursionError` further on), a
+lone surrogate (a `UnicodeEncodeError` when the text is tokenized or written), and `NaN`/`Infinity` or a
+number that overflows to one (invalid JSON in the outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+MAX_DEPTH = 100
+"""Deepest nesting of arrays and objects a row may have (a task row needs three or four levels)."""
+
+_BOMS = {b"\xef\xbb\xbf": "UTF-8 with a byte-order mark", b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32",
+         b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+
+
+class JsonlError(ValueError):
+    """A JSONL file or line that cannot be read: the message is `path:line: what is wrong`."""
+
+
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every non-blank line, split on `\\n` only; `JsonlError` for a line that is not
+    UTF-8 or a file that starts with a byte-order mark."""
+    data = Path(path).read_bytes()
+    for bom, name in _BOMS.items():
+        if data.startswith(bom):
+            raise JsonlError(f"{path}:1: the file is {name}; save it as UTF-8 without a byte-order mark")
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JsonlError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+        if line.strip():
+            yield n, line
+
+
+def parse_line(where: str, line: str) -> Any:
+    """The JSON value of one line; `JsonlError("{where}: …")` when it is not one k3rl can use."""
+    try:
+        value = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as e:
+        raise JsonlError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise JsonlError(f"{where}: nested too deeply to parse (at most {MAX_DEPTH} levels)") from None
+    except ValueError as e:
+        # the int-string limit (ValueError from int()) and the refusals of the hooks below
+        raise JsonlError(f"{where}: {e}") from None
+    depth = _depth(value)
+    if depth > MAX_DEPTH:
+        raise JsonlError(f"{where}: nested {depth} levels deep (at most {MAX_DEPTH})")
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise JsonlError(f"{where}: a string holds a lone surrogate ({e.object[e.start]!r}), which is not text") from None
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} overflows a 64-bit float")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed value (a scalar is 0), counted without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            todo.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            todo.extend((v, depth + 1) for v in item)
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+    return deepest

@@ -1,0 +1,74 @@
+"""Training task files fuzzed from one valid row (tests/jsonl_fuzz.py): `read_tasks` loads each or raises
+`ConfigError` as `path:line: what` — under both `env.bad_task_rows` policies, never another exception; rows
+are split on `\\n` only, so a row holding U+2028 or U+0085 in a string is a valid task."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections import Counter
+
+import pytest
+
+from envs.search import SearchEnv
+from rl.config import ConfigError
+from rl.tasks import read_tasks
+from tests.jsonl_fuzz import problem, variants
+
+ROW = {"id": "t1", "question": "Who lit the lantern?", "answers": ["Ann"],
+       "passages": [{"id": "d1", "title": "Lantern", "text": "Ann lit the lantern at dusk."},
+                    {"id": "d2", "title": "Boat", "text": "Bob rowed the boat home."}],
+       "evidence": ["d1"]}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return SearchEnv(corpus=None)
+
+
+@pytest.mark.parametrize("bad_rows", ["refuse", "skip"])
+def test_fuzzed_task_rows_load_or_name_file_and_line(env, tmp_path, bad_rows):
+    cases = variants(ROW, seed=28)
+    assert len(cases) >= 200
+    outcome, failures = Counter(), []
+    for i, (name, data) in enumerate(cases):
+        path = tmp_path / f"{i:03d}.jsonl"
+        path.write_bytes(data)
+        skipped: list[str] = []
+        try:
+            read_tasks(path, env, bad_rows, skipped)
+            outcome["loaded"] += 1
+        except ConfigError as e:
+            outcome["named"] += 1
+            if (what := problem(str(e), path)) is not None:
+                failures.append(f"{name}: message {what}: {e}")
+        except BaseException:  # noqa: BLE001 - any other exception is the failure this test counts
+            outcome["traceback"] += 1
+            failures.append(f"{name}: {traceback.format_exc(limit=-2)}")
+        failures += [f"{name}: skipped row {what}: {s}" for s in skipped if (what := problem(s, path)) is not None]
+    assert not failures, f"{len(failures)} of {len(cases)} ({dict(outcome)}):\n" + "\n".join(failures[:20])
+    assert outcome["loaded"] >= 20 and outcome["named"] >= (20 if bad_rows == "skip" else 150), dict(outcome)
+
+
+@pytest.mark.parametrize("brk", ["\u2028", "\u2029", "\u0085"])
+def test_a_row_holding_a_unicode_line_break_is_one_task(env, tmp_path, brk):
+    rows = [{**ROW, "question": f"Who lit{brk}the lantern?"}, {**ROW, "id": "t2"}]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert read_tasks(path, env) == rows
+
+
+def test_file_level_problems_are_refused_even_when_skipping(env, tmp_path):
+    cases = dict(variants(ROW, seed=28))
+    for name, message in [("utf-16", ":1: the file is UTF-16"), ("invalid-byte-line-2", ":2: not UTF-8 text"),
+                          ("binary", ":1: not UTF-8 text")]:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(cases[name])
+        with pytest.raises(ConfigError) as e:
+            read_tasks(path, env, "skip", [])
+        assert str(e.value).startswith(f"{path}{message}"), str(e.value)
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(cases["valid"] + cases["escape-lone-high"] + cases["int-10000-in-id"] + cases["nest-row-100000"])
+    skipped: list[str] = []
+    assert read_tasks(path, env, "skip", skipped) == [ROW]
+    assert [s.split(": ", 1)[0] for s in skipped] == [f"{path}:{n}" for n in (2, 3, 4)], skipped

@@ -25,7 +25,8 @@ Reading (`read_config`, `load_model`) also accepts k3rl's old layout (`model_typ
 What k3rl does not build is skipped when reading a released directory: the ViT and projector (`vision_tower.*`,
 `mm_projector.*`; images are then off unless `k3rl_patch_embed.safetensors` is there), MTP layers
 (`num_nextn_predict_layers`) and `rotary_emb` buffers. Anything else unknown, missing or of the wrong shape
-is an error naming the tensor and its file.
+is an error naming the tensor and its file. `load_model` also verifies the directory's `COMPLETE` manifest, the
+index's shard set, each tensor's dtype and that every value is finite (model/integrity.py).
 
 In memory, `K3Config` keeps its own model type (`k3rl_k3`: transformers 5 owns `kimi_linear` with another
 module layout); this module is the only way k3rl reads or writes a K3 directory.
@@ -44,6 +45,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
+from model import integrity
 from model.hf_names import split_experts, stack_experts
 from model.trust import check_remote_code, inside
 from model.weight_files import read_extra, read_index, read_weights, write_extra, write_weights
@@ -400,40 +402,112 @@ def _check_tensors(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, 
                                   f"{list(got)}, this config needs {list(shape)}")
 
 
+def _check_dtypes(floating: set[str], found: Mapping[str, torch.Tensor], directory: Path,
+                  weight_map: Optional[dict[str, str]], declared: Optional[torch.dtype]) -> None:
+    """Every tensor of the dtype kind the model needs (floating or not), and a floating one in config.json's dtype,
+    float32 (routers, gates and convolutions are kept in float32) or, for MXFP4 experts, their bfloat16 decoding:
+    a header whose dtype was changed (bfloat16 read as float16, floats read as integers) is refused by name."""
+    for name, t in found.items():
+        where = f"{directory}: tensor {name} in {_file_of(directory, weight_map, name)}"
+        if t.is_floating_point() != (name in floating):
+            raise CheckpointError(f"{where} has dtype {_dtype_name(t.dtype)}, this model needs a "
+                                  f"{'floating-point' if name in floating else 'non-floating'} tensor")
+        packed = (weight_map or {}).get(name.removesuffix(".weight") + ".weight_packed") is not None
+        allowed = {declared, torch.float32} | ({torch.bfloat16} if packed else set())
+        if declared is not None and t.is_floating_point() and t.dtype not in allowed:
+            raise CheckpointError(f"{where} has dtype {_dtype_name(t.dtype)}, config.json says "
+                                  f"{_dtype_name(declared)}")
+
+
+def _declared_dtype(raw: Mapping[str, Any]) -> Optional[torch.dtype]:
+    """config.json's `dtype` / `torch_dtype` (kimi_k3: also in text_config) when it names a floating type."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else {}
+    for where in (text, raw):
+        for key in ("dtype", "torch_dtype"):
+            value = getattr(torch, str(where.get(key)), None) if where.get(key) else None
+            if isinstance(value, torch.dtype) and value.is_floating_point:
+                return value
+    return None
+
+
 def _keep_fp32(name: str) -> bool:
     from model.modeling import K3PreTrainedModel
 
     return bool(set(name.split(".")) & set(K3PreTrainedModel._keep_in_fp32_modules_strict))
 
 
-def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The `K3ForCausalLM` of a K3 directory in any layout, in `dtype` (in 16-bit dtypes the router bias, KDA gate
-    parameters and convolutions stay float32, as with transformers' loader) on `device`, in eval mode."""
+def _meta_model(directory: Path) -> tuple[Any, Mapping[str, Any]]:
+    """(the K3ForCausalLM of the directory's config.json on the meta device, the raw config)."""
     from model.modeling import K3ForCausalLM
 
-    directory = Path(directory)
     raw = raw_config(directory)
-    model_type = raw.get("model_type")
     config = config_from_dict(raw, images_file=(directory / PATCH_FILE).is_file(), source=directory / CONFIG_FILE)
-    if model_type == OLD_MODEL_TYPE:
+    if raw.get("model_type") == OLD_MODEL_TYPE:
         _warn_old(directory)
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        return K3ForCausalLM(config), raw
+
+
+def _checked(directory: Path, model: Any, raw: Mapping[str, Any], tensors: dict[str, torch.Tensor]
+             ) -> tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]:
+    """(the tensors of `model` found on disk, under released names, the index's map): what k3rl does not build
+    dropped, the index's shard set, every tensor's name, shape and dtype checked against the model."""
     internal = model.state_dict()
-    on_disk = "kimi_linear" if model_type == OLD_MODEL_TYPE else model_type
-    expected = {n: tuple(t.shape) for n, t in to_released_names(internal, on_disk).items()}
-    expected |= {n: tuple(t.shape) for n, t in native_weights(internal).items()}
+    on_disk = "kimi_linear" if raw.get("model_type") == OLD_MODEL_TYPE else raw.get("model_type")
+    wanted = {**to_released_names(internal, on_disk), **native_weights(internal)}
     weight_map = _index_map(directory)
-    tensors = _skip_unbuilt(read_released(directory), raw, config, directory)
+    integrity.check_shard_set(directory, weight_map, side_files=(PATCH_FILE,))
+    tensors = _skip_unbuilt(tensors, raw, model.config, directory)
     if on_disk == "kimi_k3":  # the other spelling vLLM maps: language_model.layers.{i}.
         tensors = {TEXT_PREFIX + "model." + n.removeprefix(TEXT_PREFIX) if n.startswith(TEXT_PREFIX + "layers.")
                    else n: t for n, t in tensors.items()}
         if weight_map is not None:
             weight_map |= {TEXT_PREFIX + "model." + n.removeprefix(TEXT_PREFIX): f for n, f in weight_map.items()
                            if n.startswith(TEXT_PREFIX + "layers.")}
-    _check_tensors(expected, tensors, directory, weight_map)
+    _check_tensors({n: tuple(t.shape) for n, t in wanted.items()}, tensors, directory, weight_map)
+    _check_dtypes({n for n, t in wanted.items() if t.is_floating_point()}, tensors, directory, weight_map,
+                  _declared_dtype(raw))
+    return tensors, weight_map
+
+
+def check_model_dir(directory: str | Path, allow_nonfinite: bool = False, override: str = integrity.OVERRIDE) -> None:
+    """Everything `load_model` checks (a non-K3 directory: manifest, shard set, finite values), reading one tensor
+    at a time: for a driver before it hands the directory to workers or writes anything. Named errors:
+    `CorruptCheckpointError`, `CheckpointError` / ValueError / FileNotFoundError (the file or tensor),
+    `NonFiniteWeightsError` (`override` says how to load them anyway; "" for commands that cannot)."""
+    directory = Path(directory)
+    integrity.verify_model_dir(directory)
+    meta, bad = integrity.scan_weight_files(directory)
+    if is_k3_dir(directory):
+        with warnings.catch_warnings():
+            # the load that follows says it once
+            warnings.simplefilter("ignore")
+            model, raw = _meta_model(directory)
+            _checked(directory, model, raw, meta)
+    else:
+        integrity.check_shard_set(directory, _index_map(directory), side_files=(PATCH_FILE,))
+    integrity.refuse_nonfinite(bad, directory, allow_nonfinite, override)
+
+
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               allow_nonfinite: bool = False):
+    """The `K3ForCausalLM` of a K3 directory in any layout, in `dtype` (in 16-bit dtypes the router bias, KDA gate
+    parameters and convolutions stay float32, as with transformers' loader) on `device`, in eval mode.
+
+    Checked first (model/integrity.py): the directory's `COMPLETE` manifest when it has one (content hashes), the
+    index's shard set, every tensor's name, shape and dtype against config.json, and every value finite — a NaN or
+    ±inf (also one made by the cast to `dtype`) is a `NonFiniteWeightsError` naming the tensors, a warning with
+    `allow_nonfinite`."""
+    directory = Path(directory)
+    integrity.verify_model_dir(directory)
+    model, raw = _meta_model(directory)
+    tensors, weight_map = _checked(directory, model, raw, read_released(directory))
+    bad = [(f"{name} in {_file_of(directory, weight_map, name)}", n)
+           for name, n in integrity.nonfinite_tensors(tensors.items())]
+    integrity.refuse_nonfinite(bad, directory, allow_nonfinite)
     state = from_released_names(tensors)
     low = dtype in (torch.float16, torch.bfloat16)
+    narrowed = []
     with torch.no_grad():
         # fresh copies, one tensor at a time: views into a file's buffer may be less aligned than allocations,
         # and BLAS then rounds differently (1e-16 in float64)
@@ -441,7 +515,13 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
             t = state.pop(name)
             kind = (torch.float32 if low and _keep_fp32(name) else dtype) if t.is_floating_point() else t.dtype
             state[name] = t.to(kind, copy=True)
+            if t.is_floating_point() and state[name].element_size() < t.element_size():
+                narrowed.append(name)
             del t
+    if not allow_nonfinite:
+        overflow = integrity.nonfinite_tensors((name, state[name]) for name in narrowed)
+        integrity.refuse_nonfinite(overflow, f"{directory} cast to {_dtype_name(dtype)} (finite values beyond its "
+                                   f"range)")
     model.load_state_dict(state, assign=True, strict=True)
     return model.to(device).eval()
 
@@ -473,6 +553,7 @@ def copy_tokenizer(source: Any, directory: str | Path, trust_remote_code: bool =
     trusted = check_remote_code(source, trust_remote_code, model=False)
     for p in files:
         inside(source, p.name, f"{source}: tokenizer file")
+    for p in files:
         if p.suffix == ".py" and not trusted:
             continue
         if p.resolve() != (directory / p.name).resolve():
@@ -481,7 +562,7 @@ def copy_tokenizer(source: Any, directory: str | Path, trust_remote_code: bool =
 
 def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = None, tokenizer_from: Any = None,
                quantize: Optional[str] = None, max_shard_bytes: Optional[int] = None,
-               trust_remote_code: bool = False) -> Path:
+               trust_remote_code: bool = False, allow_nonfinite: bool = False) -> Path:
     """Write `model` (a K3ForCausalLM) to `directory` in `layout` (default `layout_for(model.config)`): config.json,
     sharded safetensors + index under the released names, `PATCH_FILE` when images are on, the remote code of
     model/remote/ (with `auto_map`), and the tokenizer of `tokenizer_from` when given (`copy_tokenizer`: its code
@@ -489,12 +570,14 @@ def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = Non
     `quantize="mxfp4"` stores the routed experts in MXFP4 (lossy). Weight files of an earlier save there are
     replaced; the caller makes the directory atomic (`rl.checkpoint.atomic_dir`, a temporary sibling)."""
     return save_state_dict(model.config, model.state_dict(), directory, layout=layout, tokenizer_from=tokenizer_from,
-                           quantize=quantize, max_shard_bytes=max_shard_bytes, trust_remote_code=trust_remote_code)
+                           quantize=quantize, max_shard_bytes=max_shard_bytes, trust_remote_code=trust_remote_code,
+                           allow_nonfinite=allow_nonfinite)
 
 
 def save_state_dict(config: Any, state: Mapping[str, torch.Tensor], directory: str | Path, *,
                     layout: Optional[str] = None, tokenizer_from: Any = None, quantize: Optional[str] = None,
-                    max_shard_bytes: Optional[int] = None, trust_remote_code: bool = False) -> Path:
+                    max_shard_bytes: Optional[int] = None, trust_remote_code: bool = False,
+                    allow_nonfinite: bool = False) -> Path:
     """`save_model` from a K3Config and a full state dict in internal names (e.g. gathered from expert-parallel and
     FSDP-sharded ranks by rl/parallel.py `full_state_dict`)."""
     directory = Path(directory)
@@ -512,7 +595,8 @@ def save_state_dict(config: Any, state: Mapping[str, torch.Tensor], directory: s
             p.unlink()
     dtype = state["lm_head.weight"].dtype
     shard = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    quantization = write_weights(directory, to_released_names(state, layout), quantize=quantize, **shard)
+    quantization = write_weights(directory, to_released_names(state, layout), quantize=quantize,
+                                 allow_nonfinite=allow_nonfinite, **shard)
     native = native_weights(state)
     if native:
         write_extra(directory, PATCH_FILE, native)
@@ -564,7 +648,7 @@ def kimi_k3_config_registered() -> Iterator[None]:
 
 
 __all__ = ["CONFIG_FILE", "CheckpointError", "INDEX_FILE", "LAYOUTS", "MODEL_TYPES", "OLD_MODEL_TYPE", "PATCH_FILE",
-           "TOKENIZER_FILES", "config_from_dict", "copy_tokenizer", "from_released_names", "is_k3_dir",
-           "kimi_k3_config_registered", "layout_for", "load_model", "model_type_of", "native_weights", "raw_config",
+           "TOKENIZER_FILES", "check_model_dir", "config_from_dict", "copy_tokenizer", "from_released_names",
+           "is_k3_dir", "kimi_k3_config_registered", "layout_for", "load_model", "model_type_of", "native_weights", "raw_config",
            "read_config", "read_released", "read_state_dict", "released_config", "save_model", "save_state_dict",
            "text_config_dict", "to_released_names"]

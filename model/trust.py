@@ -76,7 +76,8 @@ def _describe(path: Path, auto_map: Any, key: str | None) -> list[str]:
     entries = auto_map.items() if isinstance(auto_map, dict) else [(key, auto_map)]
     out = []
     for name, refs in entries:
-        refs = [r for r in (refs if isinstance(refs, (list, tuple)) else [refs]) if isinstance(r, str)]
+        refs = list(dict.fromkeys(r for r in (refs if isinstance(refs, (list, tuple)) else [refs])
+                                  if isinstance(r, str)))
         files = sorted({r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs})
         out.append(f"{path}: auto_map {name} → {', '.join(refs) or '?'} ({', '.join(files) or 'code'})")
     return out
@@ -87,8 +88,7 @@ def check_remote_code(directory: str | Path, allowed: bool, *, model: bool = Tru
     `RemoteCodeError` when the directory asks for code (`remote_code_requests`) and it is not allowed."""
     requests = remote_code_requests(directory, model=model)
     if requests and not allowed:
-        more = f" (and {len(requests) - 1} more)" if len(requests) > 1 else ""
-        raise RemoteCodeError(f"{requests[0]}{more}: the directory asks to run its own Python code, which k3rl "
+        raise RemoteCodeError(f"{'; '.join(requests)}: the directory asks to run its own Python code, which k3rl "
                               f"does not import unless allowed; inspect it, then set {OPT_IN}")
     return bool(allowed)
 

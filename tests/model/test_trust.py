@@ -1,0 +1,310 @@
+"""A model directory is untrusted (model/trust.py): its own Python code runs in no loader, command or Ray worker
+unless `run.trust_remote_code` / `k3rl export --trust-remote-code` allows it, and every file its index names
+resolves inside it.
+
+The evil directories are the tiny Qwen3 with an `auto_map` to a `tokenization_x.py` (tokenizer_config.json) and
+to `configuration_x.py` / `modeling_x.py` (config.json); importing any of them writes a marker file, so "nothing
+ran" is checked by the marker's absence. k3rl's own K3 directories (whose config.json `auto_map` names k3rl's
+model/remote/ copies) load without the opt-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3_factory import make_model
+from model import hf_layout
+from model.cli import export_main
+from model.trust import PathEscapeError, RemoteCodeError, remote_code_requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOKENIZER_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("tokenization_x imported")
+from transformers import PreTrainedTokenizerFast
+
+
+class XTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+CONFIG_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("configuration_x imported")
+from transformers import Qwen3Config
+
+
+class XConfig(Qwen3Config):
+    pass
+"""
+MODELING_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("modeling_x imported")
+from transformers import Qwen3ForCausalLM
+
+from .configuration_x import XConfig
+
+
+class XForCausalLM(Qwen3ForCausalLM):
+    config_class = XConfig
+"""
+
+
+def _edit_json(path: Path, **values) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=1))
+
+
+def make_evil(base: Path, out: Path, *, tokenizer: bool = True, model: bool = True) -> tuple[Path, Path]:
+    """A copy of the HF directory `base` asking for its own code; returns (directory, marker folder)."""
+    shutil.copytree(base, out)
+    markers = out.parent / f"{out.name}-markers"
+    markers.mkdir()
+    if tokenizer:
+        _edit_json(out / "tokenizer_config.json",
+                   auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]})
+        (out / "tokenization_x.py").write_text(TOKENIZER_CODE.format(marker=str(markers / "tokenization_x")))
+    if model:
+        _edit_json(out / "config.json", auto_map={"AutoConfig": "configuration_x.XConfig",
+                                                  "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+        (out / "configuration_x.py").write_text(CONFIG_CODE.format(marker=str(markers / "configuration_x")))
+        (out / "modeling_x.py").write_text(MODELING_CODE.format(marker=str(markers / "modeling_x")))
+    return out, markers
+
+
+def ran(markers: Path) -> list[str]:
+    return sorted(p.name for p in markers.iterdir())
+
+
+@pytest.fixture
+def evil(tiny_qwen3_dir, tmp_path):
+    return make_evil(tiny_qwen3_dir, tmp_path / "evil")
+
+
+@pytest.fixture
+def k3_src(tiny_qwen3_dir, tmp_path):
+    """A K3 directory in the released layout whose tokenizer (the tiny Qwen3's) asks for `tokenization_x.py`."""
+    src = tmp_path / "k3"
+    hf_layout.save_model(make_model(dtype=torch.float32), src, tokenizer_from=tiny_qwen3_dir)
+    markers = tmp_path / "k3-markers"
+    markers.mkdir()
+    _edit_json(src / "tokenizer_config.json",
+               auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]})
+    (src / "tokenization_x.py").write_text(TOKENIZER_CODE.format(marker=str(markers / "tokenization_x")))
+    return src, markers
+
+
+# ---- remote code: refused everywhere without the opt-in
+
+def test_loaders_run_nothing_and_name_the_file_and_the_opt_in(evil):
+    from model.policy import load_policy
+    from model.tokenizer import load_tokenizer
+    from rollout.vllm_cpu import make_cpu_llm
+    from rollout.vllm_engine import VLLMEngine
+    from rollout.worker import WorkerSpec, build_engine
+
+    d, markers = evil
+    with pytest.raises(RemoteCodeError, match=r"tokenizer_config.json: auto_map AutoTokenizer → "
+                                              r"tokenization_x.XTokenizer.*tokenization_x.py.*"
+                                              r"run.trust_remote_code=true.*--trust-remote-code"):
+        load_tokenizer(d)
+    with pytest.raises(RemoteCodeError, match="configuration_x.py"):
+        load_policy(d)
+    for engine in ("torch", "vllm"):
+        with pytest.raises(RemoteCodeError, match="tokenization_x.py"):
+            build_engine(WorkerSpec(model_dir=str(d), env="search", engine=engine))
+    with pytest.raises(RemoteCodeError):
+        VLLMEngine(d)
+    with pytest.raises(RemoteCodeError):
+        make_cpu_llm(str(d))
+    assert ran(markers) == []
+
+
+def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
+    from rl.learner import Learner, LearnerConfig
+
+    d, markers = make_evil(tiny_qwen3_dir, tmp_path / "evil", tokenizer=False)
+    with pytest.raises(RemoteCodeError, match=r"config.json: auto_map AutoConfig → configuration_x.XConfig"):
+        Learner(LearnerConfig(model_path=str(d)))
+    assert ran(markers) == []
+
+
+def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
+    from rl import pretrain, sft
+    from rl.config import ConfigError, JobConfig, load_config
+    from rl.eval_runners import ModelRunner
+    from rl.trainer import Trainer
+
+    d, markers = evil
+    runs = tmp_path / "runs"
+
+    def job(*overrides):
+        return load_config(None, [f"run.output_dir={runs}", *overrides], JobConfig)
+
+    with pytest.raises(ConfigError, match=r"^rl.model_path: .*tokenization_x.py.*run.trust_remote_code=true"):
+        Trainer(job(f"rl.model_path={d}"))
+    with pytest.raises(ConfigError, match=r"^sft.model_dir: .*tokenization_x.py"):
+        sft.run_sft(job(f"sft.model_dir={d}"))
+    with pytest.raises(ConfigError, match=r"^pretrain.model_dir: .*tokenization_x.py"):
+        pretrain.check(job(f"pretrain.model_dir={d}"))
+    with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):
+        ModelRunner(job(f"eval.model_path={d}"), str(d))
+    assert ran(markers) == [] and not runs.exists()
+
+
+def test_the_opt_in_runs_the_code(evil):
+    from model.policy import load_policy
+    from model.tokenizer import load_tokenizer
+
+    d, markers = evil
+    assert type(load_tokenizer(d, trust_remote_code=True)).__name__ == "XTokenizer"
+    assert "tokenization_x" in ran(markers)
+    assert type(load_policy(d, trust_remote_code=True).model).__name__ == "XForCausalLM"
+    assert ran(markers) == ["configuration_x", "modeling_x", "tokenization_x"]
+
+
+@pytest.mark.ray
+def test_a_ray_rollout_worker_gets_the_setting_from_its_spec(ray_cluster, evil):
+    ray = ray_cluster
+    from rollout.worker import WorkerSpec, start_workers
+
+    d, markers = evil
+    spec = WorkerSpec(model_dir=str(d), env="search", engine="torch")
+    (refused,) = start_workers(spec, 1, num_cpus=1)
+    with pytest.raises(ray.exceptions.RayActorError, match="(?s)RemoteCodeError.*tokenization_x.py"):
+        ray.get(refused.health.remote())
+    assert ran(markers) == []
+    spec.trust_remote_code = True
+    (allowed,) = start_workers(spec, 1, num_cpus=1)
+    try:
+        assert ray.get(allowed.health.remote())["ok"]
+    finally:
+        ray.kill(allowed)
+    assert ran(markers) == ["configuration_x", "modeling_x", "tokenization_x"]
+
+
+def test_k3rl_own_directories_need_no_opt_in(tmp_path):
+    from model.config import K3Config
+    from model.init import init_model
+    from model.policy import load_policy
+    from model.tokenizer import load_tokenizer
+    from rl.config import JobConfig, load_config
+
+    cfg = load_config(ROOT / "configs/model/tiny.yaml", ["model.num_hidden_layers=2",
+                                                         "model.linear_attn_config.kda_layers=[1]",
+                                                         "model.linear_attn_config.full_attn_layers=[2]"], JobConfig)
+    out = tmp_path / "own"
+    init_model(K3Config.from_model_config(cfg.model), out, seed=0)
+    assert json.loads((out / "config.json").read_text())["auto_map"]  # k3rl's model/remote/ copies
+    assert remote_code_requests(out) == []
+    assert load_tokenizer(out).eos_token == "<|im_end|>"
+    assert load_policy(out).is_k3
+
+
+def test_export_copies_foreign_code_only_on_request(k3_src, tmp_path, capsys):
+    src, markers = k3_src
+    assert export_main([str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenization_x.py" in err and "--trust-remote-code" in err and not (tmp_path / "out").exists()
+    assert export_main([str(src), str(tmp_path / "out"), "--trust-remote-code"]) == 0
+    assert (tmp_path / "out" / "tokenization_x.py").read_text() == (src / "tokenization_x.py").read_text()
+    assert ran(markers) == []  # exporting copies the code; it never imports it
+
+
+def test_checkpoints_copy_a_tokenizer_without_its_code(k3_src, tmp_path):
+    src, _ = k3_src
+    (src / "stray_helper.py").write_text("raise SystemExit")
+    with pytest.raises(RemoteCodeError, match="tokenization_x.py"):
+        hf_layout.save_model(make_model(dtype=torch.float32), tmp_path / "ckpt", tokenizer_from=src)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything is written
+    _edit_json(src / "tokenizer_config.json", auto_map=None)
+    hf_layout.save_model(make_model(dtype=torch.float32), tmp_path / "ckpt", tokenizer_from=src)
+    own = {p.name for p in hf_layout.REMOTE_DIR.glob("*.py")}
+    assert {p.name for p in (tmp_path / "ckpt").glob("*.py")} == own  # tokenization_x.py left behind
+
+
+# ---- paths: everything a directory names stays inside it
+
+@pytest.fixture
+def k3_plain(tmp_path):
+    src = tmp_path / "src"
+    hf_layout.save_model(make_model(dtype=torch.float32), src)
+    return src
+
+
+def _index(src: Path) -> dict:
+    return json.loads((src / hf_layout.INDEX_FILE).read_text())
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_index_entries_outside_the_directory_are_refused(k3_plain, tmp_path, capsys, where):
+    from model.weight_files import read_weights
+
+    index = _index(k3_plain)
+    name = "lm_head.weight"
+    shard = k3_plain / index["weight_map"][name]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copyfile(shard, outside / "stolen.safetensors")
+    if where == "symlink":
+        target = "inside-looking.safetensors"
+        os.symlink(outside / "stolen.safetensors", k3_plain / target)
+    else:
+        target = "../elsewhere/stolen.safetensors" if where == "parent" else str(outside / "stolen.safetensors")
+    index["weight_map"][name] = target
+    (k3_plain / hf_layout.INDEX_FILE).write_text(json.dumps(index))
+    message = rf"{hf_layout.INDEX_FILE}: tensor {name}: path '.*(stolen|inside-looking).*' resolves outside"
+    with pytest.raises(PathEscapeError, match=message):
+        read_weights(k3_plain)
+    with pytest.raises(PathEscapeError, match=message):
+        hf_layout.load_model(k3_plain)
+    assert export_main([str(k3_plain), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert hf_layout.INDEX_FILE in err and name in err and "resolves outside" in err and "Traceback" not in err
+
+
+def test_a_side_file_leading_out_is_refused(k3_plain, tmp_path):
+    from model.weight_files import read_extra
+
+    (tmp_path / "patch.safetensors").write_bytes((k3_plain / _index(k3_plain)["weight_map"]["lm_head.weight"])
+                                                  .read_bytes())
+    os.symlink(tmp_path / "patch.safetensors", k3_plain / hf_layout.PATCH_FILE)
+    with pytest.raises(PathEscapeError, match=rf"side file: path '{hf_layout.PATCH_FILE}' resolves outside"):
+        read_extra(k3_plain, hf_layout.PATCH_FILE)
+
+
+def test_a_tokenizer_file_leading_out_is_not_copied(tmp_path, tiny_qwen3_dir):
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_qwen3_dir, tok)
+    (tmp_path / "secret.txt").write_text("not for export")
+    os.symlink(tmp_path / "secret.txt", tok / "vocab.txt")
+    (tmp_path / "dst").mkdir()
+    with pytest.raises(PathEscapeError, match="tokenizer file: path 'vocab.txt' resolves outside"):
+        hf_layout.copy_tokenizer(tok, tmp_path / "dst")
+    assert list((tmp_path / "dst").iterdir()) == []
+
+
+@pytest.mark.parametrize("index, why", [
+    ("{not json", "not a safetensors index"),
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"metadata": {}}', "no weight_map"),
+    ('{"weight_map": ["lm_head.weight"]}', "weight_map must be an object"),
+    ('{"weight_map": {"lm_head.weight": 3}}', "weight_map['lm_head.weight'] must be a file name, got 3"),
+    ('{"weight_map": {"lm_head.weight": null}}', "must be a file name, got None"),
+    (b"\xff\xfe{", "not a safetensors index"),
+])
+def test_export_names_a_malformed_index(k3_plain, tmp_path, capsys, index, why):
+    path = k3_plain / hf_layout.INDEX_FILE
+    path.write_bytes(index if isinstance(index, bytes) else index.encode())
+    assert export_main([str(k3_plain), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and why in err and "Traceback" not in err, err
+
+
+def test_export_names_a_tensor_its_shard_lacks(k3_plain, tmp_path, capsys):
+    index = _index(k3_plain)
+    index["weight_map"]["model.layers.0.extra.weight"] = index["weight_map"]["lm_head.weight"]
+    (k3_plain / hf_layout.INDEX_FILE).write_text(json.dumps(index))
+    assert export_main([str(k3_plain), str(tmp_path / "out")]) == 2
+    assert "tensor model.layers.0.extra.weight is mapped to" in capsys.readouterr().err

@@ -43,6 +43,8 @@ COMPLETE = "COMPLETE"
 _LOADED_FILES = re.compile(r".*\.(safetensors|json|py|bin|pt|pth|model|tiktoken|txt|jinja)$")
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 _SHOWN = 5
+OVERRIDE = "run.allow_nonfinite_weights=true (k3rl export: --allow-nonfinite)"
+"""How a user loads non-finite weights anyway (evaluation and export; training refuses them regardless)."""
 
 
 class CheckpointError(RuntimeError):
@@ -202,7 +204,7 @@ def nonfinite_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple
         return [(name, n) for name, t in tensors if (n := count_nonfinite(t))]
 
 
-def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = False, override: str = "") -> None:
+def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = False, override: str = OVERRIDE) -> None:
     """`NonFiniteWeightsError` naming `source` and the tensors of `bad` (name, count); with `allow`, a warning."""
     if not bad:
         return
@@ -216,6 +218,58 @@ def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = Fals
     raise NonFiniteWeightsError(what + how)
 
 
+def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[tuple[str, int]]]:
+    """(every tensor of the directory's weight files as a meta tensor — shape and dtype, an MXFP4 pair as the
+    bfloat16 `….weight` it decodes to —, (name in file, count) of each tensor holding NaN/±inf), reading one tensor
+    at a time: a driver checks a directory this way before handing it to workers, without holding the model.
+
+    The files are the index's shards (inside the directory, model/trust.py) plus k3rl's patch file, or every
+    `*.safetensors` without an index; an unreadable or truncated file, or a tensor the index maps to a file that
+    lacks it, is a ValueError naming the file. An MXFP4 scale byte 255 (E8M0 NaN) counts its 32 values."""
+    from safetensors import SafetensorError, safe_open
+
+    from model.trust import inside
+    from model.weight_files import INDEX_NAME, PATCH_EMBED_FILE, read_index
+
+    directory = Path(directory)
+    weight_map = read_index(directory)
+    if weight_map is None:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    else:
+        files = sorted(set(weight_map.values())) + [PATCH_EMBED_FILE] * (directory / PATCH_EMBED_FILE).is_file()
+    meta: dict[str, torch.Tensor] = {}
+    bad: list[tuple[str, int]] = []
+    for fname in files:
+        path = inside(directory, fname, f"{directory}: weight file")
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory}: {fname} is listed in {INDEX_NAME} but missing")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                lacking = sorted(n for n, file in (weight_map or {}).items() if file == fname and n not in keys)
+                if lacking:
+                    raise ValueError(f"{directory}: tensor {lacking[0]} is mapped to {fname} by {INDEX_NAME} but "
+                                     f"that file lacks it")
+                for name in sorted(keys):
+                    t = f.get_tensor(name)
+                    n = count_nonfinite(t)
+                    if name.endswith(".weight_scale") and t.dtype == torch.uint8:
+                        n = 32 * int((t == 255).sum())
+                    if n:
+                        bad.append((f"{name} in {fname}", n))
+                    meta[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    del t
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+    for name in [n for n in meta if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        packed = meta.pop(name)
+        meta.pop(module + ".weight_scale", None)
+        meta[module + ".weight"] = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.bfloat16,
+                                               device="meta")
+    return meta, bad
+
+
 __all__ = ["COMPLETE", "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "NonFiniteWeightsError", "check_shard_set", "count_nonfinite", "file_manifest", "nonfinite_tensors",
-           "refuse_nonfinite", "sha256_file", "verify", "verify_model_dir"]
+           "NonFiniteWeightsError", "OVERRIDE", "check_shard_set", "count_nonfinite", "file_manifest", "nonfinite_tensors",
+           "refuse_nonfinite", "scan_weight_files", "sha256_file", "verify", "verify_model_dir"]

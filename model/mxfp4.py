@@ -33,6 +33,17 @@ decoding to float32/bfloat16 overflows to ±Inf for scales near 2^127 (6 × 2^12
 large come only from inputs within a factor 2 of float32's maximum). Every decoded value has at most two
 significant bits and lies in 2^−128 … 6 × 2^127, so bfloat16 holds it exactly (the default `dtype`).
 
+What the format cannot keep (`unrepresentable`, which the write path checks first: model/weight_files.py refuses
+non-finite weights by name and warns about saturation):
+
+- NaN and ±Inf: the codec above stores the whole group as NaN, so one NaN costs 32 values;
+- a finite value saturates when |x| ≥ 1.75·2^127 (`SATURATION`, ≈ 2.98e38): its group's scale is then 2^126 or
+  more and the value rounds to 4·2^126 = 2^128 or above, which neither float32 nor bfloat16 holds, so it decodes
+  to ±Inf (3e38 → inf). Below that bound every value decodes finite (≤ 1.5·2^127). For float32 and bfloat16
+  inputs the E8M0 scale itself never leaves its range (the largest needed is 2^126); float64 inputs of 2^130 and
+  more also clamp at the largest scale 2^127 and at 6 — still ≥ SATURATION, so the same count covers them.
+  The ordinary clamp of 6…7 × scale to 6 within a group is the format's rounding, not saturation.
+
 The codec is plain torch (compressed-tensors needs ~20 s to import and compiles its rounding with
 torch.compile); tests/model/test_mxfp4.py checks it against compressed-tensors' own compressor.
 """
@@ -60,6 +71,17 @@ _E8M0_BIAS = 127
 _E8M0_NAN = 255
 # log2 of E2M1's largest power of two (4): a scale of amax / 4 puts the group's amax at 4…7.
 _E2M1_EMAX = 2
+SATURATION = 1.75 * 2.0**127
+"""|x| from which a finite value decodes to ±Inf in float32 and bfloat16 (module docstring)."""
+
+
+def unrepresentable(w: torch.Tensor) -> tuple[int, int]:
+    """(count of NaN/±Inf values, count of finite values that saturate, |x| ≥ `SATURATION`) of `w`."""
+    with torch.no_grad():
+        finite = torch.isfinite(w)
+        nonfinite = int(w.numel() - finite.sum())
+        saturated = int((finite & (w.abs() >= SATURATION)).sum())
+    return nonfinite, saturated
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -37,17 +37,20 @@ from model.logprobs import selected_logprobs
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                dropout: bool = False, trust_remote_code: bool = False) -> "Policy":
+                dropout: bool = False, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> "Policy":
     """The policy of an HF directory (K3 in any layout model/hf_layout.py reads, or any causal LM) in `dtype` on
     `device`; its dropout is switched off (RL compares the policy with itself) unless `dropout`. A directory whose
     config.json asks for its own model code (`auto_map`) is loaded only with `trust_remote_code` (model/trust.py);
-    a K3 directory never runs its code (k3rl reads it natively)."""
-    from model import hf_layout
+    a K3 directory never runs its code (k3rl reads it natively). Either kind is verified against its `COMPLETE`
+    manifest when it has one, and NaN/±inf weights are a `NonFiniteWeightsError` naming the tensors unless
+    `allow_nonfinite` (model/integrity.py)."""
+    from model import hf_layout, integrity
     from model.trust import check_remote_code
 
     path = Path(path)
     if hf_layout.is_k3_dir(path):  # K3 has no dropout
-        return Policy(hf_layout.load_model(path, dtype=dtype, device=device))
+        return Policy(hf_layout.load_model(path, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite))
+    integrity.verify_model_dir(path)
     if not (path / hf_layout.CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -57,8 +60,10 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     for name, value in list(config.to_dict().items()):
         if not dropout and (name.endswith("dropout") or name.endswith("_pdrop")) and isinstance(value, float):
             setattr(config, name, 0.0)
-    return Policy(AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                      trust_remote_code=trust).to(device))
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust)
+    bad = integrity.nonfinite_tensors(model.state_dict().items())
+    integrity.refuse_nonfinite(bad, path, allow_nonfinite)
+    return Policy(model.to(device))
 
 
 class Policy:

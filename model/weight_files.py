@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
 
@@ -37,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model import mxfp4
+from model.integrity import NonFiniteWeightsError
 from model.trust import inside
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -52,13 +54,20 @@ def write_weights(
     tensors: Mapping[str, torch.Tensor],
     max_shard_bytes: int = 5 * 2**30,
     quantize: Union[None, str, Callable[[str], bool]] = None,
+    allow_nonfinite: bool = False,
 ) -> Optional[dict]:
     """Write `tensors` as safetensors shards plus `model.safetensors.index.json` into `directory`.
 
     `quantize(name) -> bool` picks the `….weight` tensors to store as MXFP4 (`quantize="mxfp4"`: every
     routed-expert weight); they must be routed-expert weights (`mxfp4.EXPERT_TARGET`: vLLM's K3 loader reads
     no other module as MXFP4) with an input dim divisible by 32. Returns the `quantization_config` to put
-    into config.json, or None when nothing was quantized."""
+    into config.json, or None when nothing was quantized.
+
+    What MXFP4 cannot keep (model/mxfp4.py `unrepresentable`): a tensor to quantize holding NaN/±inf is a
+    `NonFiniteWeightsError` naming it and the count (each would turn its group of 32 into NaN; with
+    `allow_nonfinite` a warning, and the groups are stored as NaN); finite values that saturate (|x| ≥ 2.98e38,
+    decoded as ±inf) are a warning naming the tensor and the count. Tensors stored as they are are not checked
+    here (their loaders check them)."""
     if max_shard_bytes <= 0:
         raise ValueError(f"write_weights: max_shard_bytes must be positive, got {max_shard_bytes}")
     if isinstance(quantize, str):
@@ -86,6 +95,16 @@ def write_weights(
                 f"write_weights: {name} {tuple(t.shape)} cannot be MXFP4: needs [out, in] with in divisible by "
                 f"{mxfp4.GROUP_SIZE}"
             )
+        nonfinite, saturated = mxfp4.unrepresentable(t)
+        if nonfinite:
+            what = (f"write_weights: {name} holds {nonfinite} NaN/±inf value(s); MXFP4 stores the whole group of "
+                    f"{mxfp4.GROUP_SIZE} of each as NaN")
+            if not allow_nonfinite:
+                raise NonFiniteWeightsError(what + " (refused)")
+            warnings.warn(what, UserWarning, stacklevel=2)
+        if saturated:
+            warnings.warn(f"write_weights: {name}: {saturated} finite value(s) with |x| ≥ {mxfp4.SATURATION:.3g} "
+                          f"saturate in MXFP4 and decode to ±inf", UserWarning, stacklevel=2)
         out[module + _PACKED], out[module + _SCALE] = mxfp4.quantize(t)
         quantized = True
 

@@ -62,9 +62,12 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, max_model_len: int = 4096, dtype: str = "auto", seed: int = 0,
                  trust_remote_code: bool = False, **llm_kwargs):
+        from model.integrity import verify_model_dir
         from model.trust import check_remote_code
 
         self.model_dir = Path(model_dir)
+        # vLLM reads the files itself: a directory with a COMPLETE manifest is verified first (model/integrity.py)
+        verify_model_dir(self.model_dir)
         # vLLM imports a directory's tokenizer and model code only with this (model/trust.py)
         llm_kwargs["trust_remote_code"] = check_remote_code(self.model_dir, trust_remote_code)
         config = json.loads((self.model_dir / "config.json").read_text())

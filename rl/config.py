@@ -46,6 +46,9 @@ class RunConfig:
     `tokenization_*.py`, `modeling_*.py`) may be imported, by every command and Ray worker of the job, and copied
     into checkpoints. Off: such a directory is refused by name (model/trust.py); k3rl's own K3 directories never
     need it."""
+    allow_nonfinite_weights: bool = False
+    """Whether a model directory holding NaN/±inf weights may be loaded (`k3rl eval`; off: refused by name, naming
+    the tensors, model/integrity.py). Training refuses them regardless: no step can be taken from them."""
 
 
 @dataclass

@@ -30,17 +30,19 @@ class JsonlError(ValueError):
 def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of every non-blank line, split on `\\n` only; `JsonlError` for a line that is not
     UTF-8 or a file that starts with a byte-order mark."""
-    data = Path(path).read_bytes()
-    for bom, name in _BOMS.items():
-        if data.startswith(bom):
-            raise JsonlError(f"{path}:1: the file is {name}; save it as UTF-8 without a byte-order mark")
-    for n, raw in enumerate(data.split(b"\n"), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise JsonlError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-        if line.strip():
-            yield n, line
+    # binary iteration splits on b"\n" alone and streams: a pretraining file may be larger than memory
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if n == 1:
+                for bom, name in _BOMS.items():
+                    if raw.startswith(bom):
+                        raise JsonlError(f"{path}:1: the file is {name}; save it as UTF-8 without a byte-order mark")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise JsonlError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+            if line.strip():
+                yield n, line
 
 
 def parse_line(where: str, line: str) -> Any:

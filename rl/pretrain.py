@@ -76,6 +76,11 @@ def check(cfg: Any) -> tuple[Any, list[str]]:
         check_model_code(cfg, "pretrain.model_dir", cfg.pretrain.model_dir)
     config = model_config(cfg)
     notes = st.check_stages(cfg, config, sources_of(cfg))
+    from envs.sources import data_dir
+    from rl.pretrain_data import check_sources
+
+    # every data file read through (not tokenized) before anything is written
+    check_sources(sources_of(cfg), data_dir() / "pretrain")
     from envs.longctx.families import FAMILIES
 
     bad = [f for f in cfg.eval.families if f not in FAMILIES]
@@ -125,6 +130,11 @@ class Climb:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.model_config, notes = check(cfg)
+        if cfg.pretrain.model_dir is not None:
+            from rl.checkpoint import check_model_path
+
+            # every weight read once (manifest, files, shapes, dtypes, finite values) before anything is written
+            check_model_path("pretrain.model_dir", cfg.pretrain.model_dir, trains=True)
         for note in notes:
             print(f"k3rl pretrain: {note}", flush=True)
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
@@ -151,15 +161,19 @@ class Climb:
 
     def load_data(self, tokenizer: Any) -> None:
         """Every source tokenized (once, cached) and the held-out documents chosen."""
-        from envs.sources import data_dir
+        from envs.sources import CorpusError, data_dir
         from rl.pretrain_data import build_store
 
         cache = data_dir() / "pretrain"
         for name, source in sources_of(self.cfg).items():
             started = time.perf_counter()
-            self.stores[name] = build_store(name, source, tokenizer, cache)
+            try:
+                self.stores[name] = build_store(name, source, tokenizer, cache)
+            except CorpusError as e:
+                raise ConfigError(f"pretrain.sources.{name}: {e}") from None
             s = self.stores[name]
-            print(f"data {name}: {s.num_docs} documents, {s.num_tokens:,} tokens ({s.path}) "
+            print(f"data {name}: {s.num_docs} documents, {s.num_tokens:,} tokens, "
+                  f"{s.manifest['neutralized_control_strings']} control-token strings neutralised ({s.path}) "
                   f"[{time.perf_counter() - started:.1f} s]", flush=True)
         pre = self.cfg.pretrain
         if pre.heldout_docs:

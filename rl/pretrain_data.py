@@ -2,11 +2,12 @@
 
 Token cache (`build_store`). A source (`DataSource`: the built-in `wiki` or `shakespeare`, or local text / JSONL /
 Parquet files read through `datasets`, optionally streamed) is tokenized once with the model's tokenizer, an EOS
-after every document, and written incrementally to `cache_root/<name>-<key>/`:
+after every document, and written incrementally to `cache_root/<name>-<key>/`. Documents are untrusted text: a
+control-token string in one (`<|im_end|>`, `<tool_call>`, …) is neutralised as in chat rendering, never a control id.
 
     tokens.bin      uint16 (vocab < 65536) or uint32, all documents back to back    [num_tokens]
     offsets.npy     int64, where each document starts (and the end)                 [num_docs + 1]
-    manifest.json   source settings, tokenizer identity, input checksum, counts
+    manifest.json   source settings, tokenizer identity, input checksum, counts (control-token strings neutralised)
     COMPLETE        rl/checkpoint.py's manifest: the directory was renamed into place whole
 
 `<key>` hashes the source settings (all but `streaming`, which changes how the input is read, not what), the
@@ -38,13 +39,16 @@ import re
 import tempfile
 import zlib
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from envs.jsonl import JsonlError, jsonl_lines, parse_line
 from envs.sources import (
     BUILTIN_SOURCES,
+    CorpusError,
     CorpusFileNotFoundError,
     CorruptCorpusError,
     _diagnose,
@@ -59,7 +63,8 @@ from rl.config import DataSource
 Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): documents tokenized so far (total 0 while unknown: a stream)."""
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+"""2: control-token strings in documents neutralised (a format-1 cache may hold control ids from text)."""
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _SUFFIXES = {".jsonl", ".json", ".parquet", ".txt", ".md"}
 _BATCH_DOCS, _BATCH_CHARS = 256, 1 << 22
@@ -153,11 +158,7 @@ def build_store(name: str, source: DataSource, tokenizer, cache_root: str | Path
         raise ValueError(f"source name {name!r}: must be a plain folder name (letters, digits, '.', '_', '-')")
     builtin = source.path in BUILTIN_SOURCES
     files = [] if builtin else source_files(name, source)
-    if builtin:
-        checksum = builtin_checksum(source.path)
-    else:
-        stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-        checksum = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+    checksum = builtin_checksum(source.path) if builtin else _input_checksum(files)
     settings = {k: v for k, v in dataclasses.asdict(source).items() if k != "streaming"}
     tok_id = tokenizer_identity(tokenizer)
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, settings, tok_id, checksum]).encode()).hexdigest()[:12]
@@ -180,6 +181,53 @@ def build_store(name: str, source: DataSource, tokenizer, cache_root: str | Path
     return TokenStore(root)
 
 
+def check_sources(sources: Mapping[str, DataSource], cache_root: str | Path) -> None:
+    """Every local source's files read through without tokenizing, before any work: a file that cannot be a corpus
+    is a `ConfigError` naming the source and `path:line: what is wrong`. Files a complete cache was built from
+    (same paths, sizes, mtimes and settings) are not read again: they were read whole when it was built."""
+    from rl.config import ConfigError
+
+    for name, source in sources.items():
+        if source.path in BUILTIN_SOURCES:
+            continue
+        try:
+            files = source_files(name, source)
+            if _cached(name, source, files, Path(cache_root)):
+                continue
+            documents = 0
+            for path in files:
+                kind = file_format(path, source.format)
+                if kind == "parquet":
+                    documents += _check_parquet(path, source)
+                else:
+                    documents += sum(1 for _ in _file_records(path, kind, source))
+            if not documents:
+                raise CorruptCorpusError(f"{', '.join(map(str, files[:3]))}: no document (every record's "
+                                         f"{source.text_field!r} is empty)")
+        except CorpusError as e:
+            raise ConfigError(f"pretrain.sources.{name}: {e}") from None
+
+
+def _input_checksum(files: list[Path]) -> str:
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+def _cached(name: str, source: DataSource, files: list[Path], cache_root: Path) -> bool:
+    """Whether a complete cache of `name` was built from these very files with these settings."""
+    checksum, settings = _input_checksum(files), dataclasses.asdict(source)
+    for manifest in cache_root.glob(f"{glob.escape(name)}-*/manifest.json"):
+        try:
+            saved = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        same = {k: v for k, v in saved.get("source", {}).items() if k != "streaming"} == \
+            {k: v for k, v in settings.items() if k != "streaming"}
+        if same and saved.get("input_checksum") == checksum and (manifest.parent / COMPLETE).is_file():
+            return True
+    return False
+
+
 def _records(name: str, source: DataSource, files: list[Path], scratch: Path) -> Iterator[tuple[str, str, Any]]:
     """(label, text, group value) of every non-empty record of the source, in input order."""
     if source.path in BUILTIN_SOURCES:
@@ -194,34 +242,116 @@ def _records(name: str, source: DataSource, files: list[Path], scratch: Path) ->
                                          f"{source.group_by!r} field (fields: {', '.join(r)})")
             yield r.get("title", str(i)), r["text"], r.get(source.group_by) if source.group_by else None
         return
+    for path in files:
+        kind = file_format(path, source.format)
+        if kind == "parquet":
+            yield from _parquet_records(path, source, scratch)
+        else:
+            yield from _file_records(path, kind, source)
+
+
+def _file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[str, str, Any]]:
+    """(label, text, group value) of the non-empty records of a text file (one document) or a JSONL file (one
+    record a line; a `.json` file may instead hold one array of records), read strictly (envs/jsonl.py): a line
+    that is not UTF-8 or JSON, or a record without a string `text_field`, is `CorruptCorpusError("path:line: …")`."""
+    try:
+        if kind == "text":
+            data = path.read_bytes()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = data[:e.start].count(b"\n") + 1
+                raise CorruptCorpusError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+            if text.strip():
+                yield f"{path.name}#0", text.strip(), None
+            return
+        lines = jsonl_lines(path)
+        first = next(lines, None)
+        if first is None:
+            raise CorruptCorpusError(f"{path}:1: the file is empty (no records)")
+        if first[1].lstrip().startswith("["):
+            # a whole-file JSON array of records (what `datasets` reads from a .json file)
+            rows = parse_line(f"{path}:{first[0]}", path.read_text(encoding="utf-8"))
+            rows = [(first[0], r) for r in rows] if isinstance(rows, list) else [(first[0], rows)]
+        else:
+            rows = ((n, parse_line(f"{path}:{n}", line)) for n, line in chain([first], lines))
+        for row, (n, record) in enumerate(rows):
+            text, group = _fields(f"{path}:{n}", record, source)
+            if text and text.strip():
+                yield f"{path.name}#{row}", text.strip(), group
+    except JsonlError as e:
+        raise CorruptCorpusError(str(e)) from None
+    except OSError as e:
+        raise CorruptCorpusError(f"{path}:1: cannot be read ({e.strerror or e})") from None
+
+
+def _fields(where: str, record: Any, source: DataSource) -> tuple[Optional[str], Any]:
+    """(text, group value) of one JSON record; `CorruptCorpusError` when it has no string `text_field`."""
+    if not isinstance(record, dict):
+        raise CorruptCorpusError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    for column in [source.text_field] + ([source.group_by] if source.group_by else []):
+        if column not in record:
+            raise CorruptCorpusError(f"{where}: no {column!r} column (columns: {', '.join(record) or 'none'})")
+    text = record[source.text_field]
+    if text is not None and not isinstance(text, str):
+        raise CorruptCorpusError(f"{where}: {source.text_field!r} is {type(text).__name__}, not text")
+    return text, record[source.group_by] if source.group_by else None
+
+
+def _check_parquet(path: Path, source: DataSource) -> int:
+    """Open a Parquet file and read its text column through; the number of rows. A corrupt file or a missing or
+    non-string column is `CorruptCorpusError` (Parquet has no lines: the row group is named)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = [source.text_field] + ([source.group_by] if source.group_by else [])
+    try:
+        pf = pq.ParquetFile(path)
+        _check_columns(path, pf.schema_arrow.names, columns)
+        kind = pf.schema_arrow.field(source.text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+            raise CorruptCorpusError(f"{path}: column {source.text_field!r} is {kind}, not text")
+        rows = 0
+        for group in range(pf.num_row_groups):
+            try:
+                rows += pf.read_row_group(group, columns=columns).num_rows
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise CorruptCorpusError(f"{path}: row group {group}: cannot be read ({type(e).__name__}: {e})") \
+                    from None
+        return rows
+    except CorruptCorpusError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise CorruptCorpusError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def _parquet_records(path: Path, source: DataSource, scratch: Path) -> Iterator[tuple[str, str, Any]]:
+    """(label, text, group value) of the non-empty rows of a Parquet file, read through `datasets` (streamed with
+    `source.streaming`)."""
     import datasets
 
     datasets.disable_progress_bars()
-    for path in files:
-        kind = file_format(path, source.format)
-        field = "text" if kind == "text" else source.text_field
-        columns = [field] + ([source.group_by] if source.group_by else [])
-        # datasets' Arrow copy of a non-streamed file lives only while it is read
-        with tempfile.TemporaryDirectory(dir=scratch, prefix=".datasets-") as cache:
-            try:
-                kwargs = {"sample_by": "document"} if kind == "text" else {}
-                ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", cache_dir=cache,
-                                           streaming=source.streaming, **kwargs)
-                _check_columns(path, ds.column_names, columns)
-                row = 0
-                for batch in ds.iter(batch_size=1024):
-                    _check_columns(path, list(batch), columns)
-                    for text, group in zip(batch[field], batch[columns[-1]]):
-                        if text is not None and not isinstance(text, str):
-                            raise CorruptCorpusError(f"{path}: row {row}: {field!r} is {type(text).__name__}, "
-                                                     f"not text")
-                        if text and text.strip():
-                            yield f"{path.name}#{row}", text.strip(), group if source.group_by else None
-                        row += 1
-            except CorruptCorpusError:
-                raise
-            except Exception as exc:
-                raise CorruptCorpusError(_diagnose(path, kind, exc)) from exc
+    field = source.text_field
+    columns = [field] + ([source.group_by] if source.group_by else [])
+    # datasets' Arrow copy of a non-streamed file lives only while it is read
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=".datasets-") as cache:
+        try:
+            ds = datasets.load_dataset("parquet", data_files=[str(path)], split="train", cache_dir=cache,
+                                       streaming=source.streaming)
+            _check_columns(path, ds.column_names, columns)
+            row = 0
+            for batch in ds.iter(batch_size=1024):
+                _check_columns(path, list(batch), columns)
+                for text, group in zip(batch[field], batch[columns[-1]]):
+                    if text is not None and not isinstance(text, str):
+                        raise CorruptCorpusError(f"{path}: row {row}: {field!r} is {type(text).__name__}, not text")
+                    if text and text.strip():
+                        yield f"{path.name}#{row}", text.strip(), group if source.group_by else None
+                    row += 1
+        except CorruptCorpusError:
+            raise
+        except Exception as exc:
+            raise CorruptCorpusError(_diagnose(path, "parquet", exc)) from exc
 
 
 def _check_columns(path: Path, have: Optional[list[str]], want: list[str]) -> None:
@@ -245,14 +375,27 @@ def _group(records: Iterator[tuple[str, str, Any]], group_by: Optional[str]) -> 
 
 def _write_tokens(name: str, texts: Iterator[tuple[str, str]], tokenizer, dtype: np.dtype, min_tokens: int,
                   out: Path, progress: Optional[Progress]) -> dict[str, Any]:
-    """Tokenize in batches, EOS after each document, and append to out/tokens.bin; offsets.npy at the end."""
+    """Tokenize in batches, EOS after each document, and append to out/tokens.bin; offsets.npy at the end.
+
+    Documents are untrusted text: every control-token string in them (`<|im_end|>`, `<|bos|>`, `<tool_call>`, …:
+    each special or added token of the tokenizer) is neutralised as chat rendering does (rollout/chat.py
+    `neutralize`), so the only control id a document's tokens hold is the EOS written after it; the count is
+    `neutralized_control_strings` in the manifest."""
+    from rollout.chat import control_pattern, neutralize
+
     eos = tokenizer.eos_token_id
-    offsets, total, seen, dropped = [0], 0, 0, 0
+    controls = control_pattern(tokenizer, special_only=False)
+    offsets, total, seen, dropped, neutralized = [0], 0, 0, 0, 0
     longest = ("", 0)
     with open(out / "tokens.bin", "wb") as f:
         def flush(batch: list[tuple[str, str]]) -> None:
-            nonlocal total, seen, dropped, longest
-            ids = tokenizer([t for _, t in batch], add_special_tokens=False, verbose=False)["input_ids"]
+            nonlocal total, seen, dropped, longest, neutralized
+            texts = []
+            for _, text in batch:
+                clean, n = neutralize(text, controls)
+                texts.append(clean)
+                neutralized += n
+            ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
             for (label, _), doc in zip(batch, ids):
                 n = len(doc) + 1
                 longest = max(longest, (label, n), key=lambda x: x[1])
@@ -282,11 +425,11 @@ def _write_tokens(name: str, texts: Iterator[tuple[str, str]], tokenizer, dtype:
         if batch:
             flush(batch)
     if len(offsets) == 1:
-        raise ValueError(f"pretraining source {name!r}: no document of ≥ {min_tokens} tokens (min_tokens) among its "
+        raise CorruptCorpusError(f"pretraining source {name!r}: no document of ≥ {min_tokens} tokens (min_tokens) among its "
                          f"{seen}; the longest, {longest[0]!r}, has {longest[1]} (EOS included)")
     np.save(out / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     return {"num_docs": len(offsets) - 1, "num_tokens": total, "dropped_docs": dropped,
-            "longest_doc_tokens": longest[1]}
+            "longest_doc_tokens": longest[1], "neutralized_control_strings": neutralized}
 
 
 @dataclass

@@ -47,8 +47,19 @@ def control_strings(tokenizer, special_only: bool = True) -> list[str]:
     return sorted((s for s in strings if len(s) > 1), key=len, reverse=True)
 
 
-def _pattern(strings: list[str]) -> "re.Pattern | None":
+def control_pattern(tokenizer, special_only: bool = True) -> "re.Pattern | None":
+    """One regex matching every string of `control_strings(tokenizer, special_only)` (None when there is none)."""
+    strings = control_strings(tokenizer, special_only)
     return re.compile("|".join(map(re.escape, strings))) if strings else None
+
+
+def neutralize(text: str, pattern: "re.Pattern | None") -> tuple[str, int]:
+    """`text` with every match of `pattern` (a `control_pattern`) broken by a word joiner after its first
+    character, so the tokenizer reads it as ordinary text, and the number of matches broken. The one
+    sanitiser of untrusted text: chat rendering (`ChatRenderer.sanitize`) and pretraining data use it."""
+    if pattern is None or not isinstance(text, str):
+        return text, 0
+    return pattern.subn(lambda m: m.group(0)[0] + WORD_JOINER + m.group(0)[1:], text)
 
 
 class ChatRenderer:
@@ -63,8 +74,8 @@ class ChatRenderer:
         from envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
         self._wrap = (TOOL_RESPONSE_START, TOOL_RESPONSE_END)
-        self._specials = _pattern(control_strings(tokenizer))
-        self._added = _pattern(control_strings(tokenizer, special_only=False))
+        self._specials = control_pattern(tokenizer)
+        self._added = control_pattern(tokenizer, special_only=False)
         probe = self._template([{"role": "user", "content": "u"}, {"role": tool_role, "content": "OBS"}], False)
         # Templates such as Qwen3's wrap tool messages in <tool_response> themselves; others don't.
         self._template_wraps = TOOL_RESPONSE_START in probe
@@ -75,10 +86,7 @@ class ChatRenderer:
     def sanitize(self, text: str, tool_result: bool = False) -> str:
         """`text` with every special token's string (and, for a `tool_result`, every added token's) broken
         by a word joiner (see module docstring)."""
-        pattern = self._added if tool_result else self._specials
-        if pattern is None or not isinstance(text, str):
-            return text
-        return pattern.sub(lambda m: m.group(0)[0] + WORD_JOINER + m.group(0)[1:], text)
+        return neutralize(text, self._added if tool_result else self._specials)[0]
 
     def encode(self, text: str) -> list[int]:
         """Tokens of already-rendered text (template output), control strings active."""

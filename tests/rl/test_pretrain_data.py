@@ -325,7 +325,7 @@ def test_named_errors(tmp_path, tok):
                                             streaming=streaming), tok, cache)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
-    with pytest.raises(CorruptCorpusError, match=r"bad\.jsonl.*line 2"):
+    with pytest.raises(CorruptCorpusError, match=r"bad\.jsonl:2: not valid JSON"):
         build_store("bad", DataSource(path=str(bad)), tok, cache)
 
     short = write_jsonl(tmp_path / "short.jsonl", [{"text": "tiny", "id": 0}, {"text": "a little longer text"}])

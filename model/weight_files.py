@@ -209,7 +209,8 @@ def read_index(directory: PathLike) -> Optional[dict[str, str]]:
         return None
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError: bad JSON, bad UTF-8, or an integer past Python's digit limit
         raise ValueError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from e
     if not isinstance(index, dict):
         raise ValueError(f"{path}: not a safetensors index (a JSON {type(index).__name__}, not an object)")
@@ -260,8 +261,14 @@ def _quantization_config(directory: Path) -> Optional[dict]:
     path = directory / "config.json"
     if not path.exists():
         return None
-    config = json.loads(path.read_text())
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(text or {}, dict):
+        raise ValueError(f"{path}: expected a JSON object (with an object text_config, if any)")
+    quant = config.get("quantization_config") or (text or {}).get("quantization_config")
     if quant is None:
         return None
     try:

@@ -293,6 +293,8 @@ def test_a_tokenizer_file_leading_out_is_not_copied(tmp_path, tiny_qwen3_dir):
     ('{"weight_map": {"lm_head.weight": 3}}', "weight_map['lm_head.weight'] must be a file name, got 3"),
     ('{"weight_map": {"lm_head.weight": null}}', "must be a file name, got None"),
     (b"\xff\xfe{", "not a safetensors index"),
+    ('{"weight_map": {"lm_head.weight": ' + "1" * 5000 + "}}", "not a safetensors index"),
+    ("[" * 100_000 + "]" * 100_000, "not a safetensors index"),
 ])
 def test_export_names_a_malformed_index(k3_plain, tmp_path, capsys, index, why):
     path = k3_plain / hf_layout.INDEX_FILE

@@ -8,10 +8,14 @@ a `module:Class` environment, envs/registry.py), so every worker, local or remot
 
 Process hygiene: when a driver is killed (SIGKILL, OOM) its local cluster's GCS, raylet and workers
 die with it, but Ray's per-node agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) outlive their
-raylet (measured: still alive a minute later; tests/smoke/test_ray_hygiene.py). Before starting a
-local cluster, `init_ray` reaps such orphans — agent processes of this user whose raylet is gone
-(re-parented away from any raylet) — and says how many it found. Agents of a live cluster, e.g. one
-started with `ray start`, have their raylet as parent and are left alone.
+raylet (measured: still alive minutes later, and they ignore SIGTERM). So a local cluster comes with a
+watchdog (rl/ray_watchdog.py), a small process that waits for the driver to exit and then stops every
+process holding a file in this run's Ray session directory — a kill -9 of the driver leaves nothing of
+the run within seconds (tests/smoke/test_ray_hygiene.py, tests/rl/test_trainer.py). A joined cluster
+(`ray.address`) gets none: its processes are not the driver's. As a second line (the watchdog itself
+killed), `init_ray` reaps orphans before starting a local cluster — agent processes of this user whose
+raylet is gone (re-parented away from any raylet) — and says how many it found. Agents of a live
+cluster, e.g. one started with `ray start`, have their raylet as parent and are left alone.
 """
 
 from __future__ import annotations
@@ -99,5 +103,18 @@ def init_ray(ray_cfg, log_to_driver: bool = True, py_modules: Sequence[str | Pat
     if reaped:
         print(f"k3rl: stopped {len(reaped)} Ray agent process(es) left behind by a killed driver "
               f"(pids {', '.join(map(str, reaped[:8]))})", file=sys.stderr)
-    return ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=ray_cfg.include_dashboard,
-                    log_to_driver=log_to_driver, configure_logging=False, runtime_env=env)
+    ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=ray_cfg.include_dashboard,
+                   log_to_driver=log_to_driver, configure_logging=False, runtime_env=env)
+    start_watchdog(ray._private.worker._global_node.get_session_dir_path())
+    return ctx
+
+
+def start_watchdog(session_dir: str) -> "subprocess.Popen":
+    """Start rl/ray_watchdog.py for the local cluster of `session_dir`, watching this process (the driver).
+    Its own session (a Ctrl-C or a kill of the driver's process group spares it), no inherited stdio."""
+    import subprocess
+
+    script = Path(__file__).with_name("ray_watchdog.py")
+    return subprocess.Popen([sys.executable, str(script), session_dir, str(os.getpid())],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)

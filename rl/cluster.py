@@ -11,7 +11,7 @@ die with it, but Ray's per-node agents (`ray::DashboardAgent`, `ray::RuntimeEnvA
 raylet (measured: still alive minutes later, and they ignore SIGTERM). So a local cluster comes with a
 watchdog (rl/ray_watchdog.py), a small process that waits for the driver to exit and then stops every
 process holding a file in this run's Ray session directory — a kill -9 of the driver leaves nothing of
-the run within seconds (tests/smoke/test_ray_hygiene.py, tests/rl/test_trainer.py). A joined cluster
+the run within seconds (tests/smoke/test_ray_hygiene.py). A joined cluster
 (`ray.address`) gets none: its processes are not the driver's. As a second line (the watchdog itself
 killed), `init_ray` reaps orphans before starting a local cluster — agent processes of this user whose
 raylet is gone (re-parented away from any raylet) — and says how many it found. Agents of a live

@@ -133,13 +133,15 @@ def plot_position_loss(stages: Sequence[dict], path: Path) -> Optional[Path]:
 
 
 def grid_scores(results_file: Path, runner: str = "model") -> dict[str, list[tuple[int, float]]]:
-    """{"family/serve": [(length, success), …]} of one runner in a `k3rl eval` results.json."""
+    """{"family/serve": [(length, success), …]} of one runner in a `k3rl eval` results.json (NaN for a cell whose
+    success is null: every task of it failed)."""
     data = json.loads(Path(results_file).read_text())
     out: dict[str, list[tuple[int, float]]] = {}
     for cell in data.get("cells", []):
         if cell.get("runner") != runner:
             continue
-        out.setdefault(f"{cell['family']}/{cell['serve']}", []).append((int(cell["length"]), float(cell["success"])))
+        success = np.nan if cell["success"] is None else float(cell["success"])
+        out.setdefault(f"{cell['family']}/{cell['serve']}", []).append((int(cell["length"]), success))
     return {k: sorted(v) for k, v in out.items()}
 
 

@@ -3,11 +3,15 @@
 `aggregate` scores the task rows of each runner and cell with `rl.evaluate.score` (the one scorer: success
 with its Wilson interval, every reward component with its interval, tool calls) and bins success by
 evidence depth; `effective_length` is the longest length whose success stays ≥ a ratio of the success at
-the shortest length; `markdown` and `heatmap` render them.
+the shortest length; `markdown` and `heatmap` render them; `write_results` writes results.json and results.md.
+
+What is undefined is null in results.json, never NaN (which is not JSON): the success of a cell whose every
+task failed, a component's interval over one task (a spread of one sample).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +49,9 @@ def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> 
         n = max(1, len(ok))
         cells.append({"runner": runner, "family": family, "serve": serve, "length": length, "tasks": len(group),
                       "errors": len(group) - len(ok), "successes": sum(r["success"] for r in ok),
-                      "success": s.rate if ok else math.nan, "success_ci95": list(s.interval) if ok else [0.0, 1.0],
-                      "components": {k: list(v) for k, v in s.components.items()}, "tool_calls": s.tool_calls,
+                      "success": s.rate if ok else None, "success_ci95": list(s.interval) if ok else [0.0, 1.0],
+                      "components": {k: [_finite(x) for x in v] for k, v in s.components.items()},
+                      "tool_calls": s.tool_calls,
                       "prompt_tokens": sum(r["prompt_tokens"] for r in ok) / n,
                       "tokens_read": sum(r["tokens_read"] for r in ok) / n, "seconds": sum(r["seconds"] for r in ok) / n,
                       "by_depth": [{"successes": k, "tasks": m} for k, m in bins]})
@@ -59,16 +64,28 @@ def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> 
     return {"cells": cells, "effective_lengths": lengths}
 
 
+def _finite(x: float) -> Optional[float]:
+    """`x`, or None where it is NaN or infinite (undefined: JSON has no such number)."""
+    return x if math.isfinite(x) else None
+
+
+def write_results(result: dict[str, Any], out: Path) -> None:
+    """`out/results.json` (strict JSON: a NaN or infinity left in `result` is a ValueError, not a bad file) and
+    `out/results.md`."""
+    (out / "results.json").write_text(json.dumps(result, indent=1, allow_nan=False))
+    (out / "results.md").write_text(markdown(result))
+
+
 def _success_key(rows: Sequence[dict]) -> Optional[str]:
     # rows store `success` already decided by the environment's rule; score() needs the same rule: EM when
     # every row reports it (the long-context environments' success_metric), else reward ≥ 1
     return "em" if all("em" in r["rewards"] for r in rows) else None
 
 
-def effective_length(points: Sequence[tuple[int, float]], ratio: float) -> Optional[int]:
+def effective_length(points: Sequence[tuple[int, Optional[float]]], ratio: float) -> Optional[int]:
     """The longest length whose score is ≥ ratio × the score at the shortest length, every shorter length
-    included (a dip breaks the run); None when the shortest length scores 0 (or has no result)."""
-    points = sorted((n, s) for n, s in points)
+    included (a dip breaks the run); None when the shortest length scores 0 (or has no result: None or NaN)."""
+    points = sorted(((n, math.nan if s is None else s) for n, s in points), key=lambda p: p[0])
     if not points or not points[0][1] or math.isnan(points[0][1]):
         return None
     base, best = points[0][1], None
@@ -85,9 +102,9 @@ def markdown(result: dict[str, Any]) -> str:
              "tool calls | tokens read | s/task | errors |", "|" + "---|" * 13]
     for c in result["cells"]:
         comp = c["components"]
-        fmt = lambda k: f"{comp[k][0]:.2f}" if k in comp else "—"  # noqa: E731
+        fmt = lambda k: f"{comp[k][0]:.2f}" if comp.get(k, [None])[0] is not None else "—"  # noqa: E731
         lo, hi = c["success_ci95"]
-        success = "—" if math.isnan(c["success"]) else f"{c['success']:.2f} [{lo:.2f}, {hi:.2f}]"
+        success = "—" if c["success"] is None else f"{c['success']:.2f} [{lo:.2f}, {hi:.2f}]"
         lines.append(f"| {c['runner']} | {c['family']} | {c['serve']} | {c['length']} | {c['tasks']} | {success} | "
                      f"{fmt('em')} | {fmt('f1')} | {fmt('evidence_recall')} | {c['tool_calls']:.1f} | "
                      f"{c['tokens_read']:.0f} | {c['seconds']:.2f} | {c['errors']} |")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rl.config import ConfigError, JobConfig
-from rl.eval_report import aggregate, heatmap, markdown
+from rl.eval_report import aggregate, heatmap, markdown, write_results
 from rl.eval_runners import check_evaluated, evaluated_runner, run_baseline
 
 TASKS_FILE = "tasks.jsonl"
@@ -267,8 +267,7 @@ def run_eval(cfg: Any) -> Path:
                          "num_tasks": ev.num_tasks, "seed": ev.seed, "model_path": ev.model_path,
                          **evaluated},
               **aggregate(rows, ev.effective_ratio, ev.depth_bins)}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(markdown(result))
+    write_results(result, out)
     shown = heatmap(result, ["model", *ev.baselines], out / "heatmap.png", ev.depth_bins)
     print(markdown(result), end="", flush=True)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {shown}, {out / TASKS_FILE} "

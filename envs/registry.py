@@ -59,6 +59,12 @@ def register(name: str | None = None, *, summary: str | None = None) -> Callable
     return deco
 
 
+class EnvArgumentError(TypeError, ValueError):
+    """An environment refused the arguments it was built with (``env.args``): a name it does not take or a value
+    it cannot use. ``make`` raises it for the constructor's TypeError or ValueError, so a driver that builds the
+    environment before writing anything names the argument instead of failing inside a rollout worker."""
+
+
 class UnknownEnvironment(KeyError):
     """An environment name that is neither registered, nor an entry point, nor an importable
     ``module:Class``; the message says which and how to name one."""
@@ -126,7 +132,8 @@ def resolve(name: str) -> Entry:
 
 
 def make(name: str, tokenizer: Any = None, **kwargs: Any) -> Env:
-    """Build the environment ``name`` (registered, entry point or ``module:Class``) with ``kwargs``.
+    """Build the environment ``name`` (registered, entry point or ``module:Class``) with ``kwargs``; arguments it
+    refuses are an ``EnvArgumentError``.
 
     ``tokenizer``: the policy's tokenizer, passed on to environments that count tokens (those taking a
     ``tokenizer`` argument: the long-context families size their haystacks with it) and not to the others,
@@ -134,7 +141,12 @@ def make(name: str, tokenizer: Any = None, **kwargs: Any) -> Env:
     entry = resolve(name)
     if tokenizer is not None and "tokenizer" not in kwargs and counts_tokens(entry.target):
         kwargs["tokenizer"] = tokenizer
-    env = entry.target(**kwargs)
+    try:
+        env = entry.target(**kwargs)
+    except EnvArgumentError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise EnvArgumentError(str(e)) from e
     if not isinstance(env, Env):
         raise TypeError(f"environment {name!r} built a {type(env).__name__}, not an Env")
     return env

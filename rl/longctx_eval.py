@@ -136,9 +136,12 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
 
     ev, out = cfg.eval, []
     for family in ev.families:
+        try:
+            first = envs.make(family, **env_kwargs(cfg, Cell(family, "context", 0), tokenizer))
+        except TypeError as e:  # envs.registry.EnvArgumentError: `env.args` the family refuses
+            raise ConfigError(f"env.args: environment {family!r} does not take these arguments ({e})") from None
         # both servings get the haystack of the in-context prompt of the cell's length
-        scaffold = scaffold_tokens(envs.make(family, **env_kwargs(cfg, Cell(family, "context", 0), tokenizer)),
-                                   tokenizer)
+        scaffold = scaffold_tokens(first, tokenizer)
         for serve in ev.serve:
             for length in ev.context_lengths:
                 cell = Cell(family, serve, int(length))

@@ -145,6 +145,12 @@ def run_sft(cfg) -> Path:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     sft, run = cfg.sft, cfg.run
     env_name, env_kwargs, task_seed = _resolved(cfg)
+    try:
+        # built before the run directory: an argument it refuses (`env.args.ask=size`) leaves nothing behind
+        env = envs.make(env_name, **env_kwargs)
+    except TypeError as e:  # envs.registry.EnvArgumentError
+        key = "sft.env_args" if cfg.sft.env_args is not None else "env.args"
+        raise ConfigError(f"{key}: environment {env_name!r} does not take these arguments ({e})") from None
     run_dir = Path(run.output_dir) / run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -156,7 +162,6 @@ def run_sft(cfg) -> Path:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"sft.model_dir: the tokenizer in {model_dir} has no chat template")
 
-    env = envs.make(env_name, **env_kwargs)
     train_tasks = make_tasks(env, sft.num_tasks, task_seed, "sft.num_tasks / env.args")
     started = time.perf_counter()
     try:

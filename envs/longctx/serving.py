@@ -16,8 +16,9 @@ from typing import Any, Callable, Hashable, Mapping
 
 from envs import scoring
 from envs.base import Env, Policy
-from envs.longctx.families import DEFAULTS, FAMILIES
-from envs.longctx.haystack import generate, render_context
+from envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS
+from envs.longctx.haystack import generate, pool_words, render_context
+from envs.longctx.names import Names
 from envs.longctx.oracles import ContextOracle, FamilySearchOracle
 from envs.longctx.task import Instance
 from envs.registry import register
@@ -90,7 +91,7 @@ class LongContextEnv(_FamilyTasks, Env):
     def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
                  tokenizer: Any = None, evidence_weight: float = 0.0, **options: Any):
         self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
-        self.evidence_weight, self.options = evidence_weight, _checked_options(type(self), options)
+        self.evidence_weight, self.options = evidence_weight, _checked_options(type(self), family, source, options)
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.current = self.instance(task)
@@ -138,7 +139,7 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
         super().__init__(corpus=None, max_k=max_k, snippet_chars=snippet_chars, evidence_weight=evidence_weight,
                          oracle_k=max_k if oracle_k is None else oracle_k, tool_prompt=tool_prompt, snippet=snippet)
         self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
-        self.options = _checked_options(type(self), options)
+        self.options = _checked_options(type(self), family, source, options)
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.current = self.instance(task)
@@ -161,9 +162,11 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
         return FamilySearchOracle(task.get("family", self.family), self.oracle_k)
 
 
-def _checked_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+def _checked_options(cls: type, family: str, source: str, options: dict[str, Any]) -> dict[str, Any]:
     """The task-generation options given to an environment, refusing unknown names (a typo such as
-    `lenght` would otherwise be ignored) with a TypeError that lists the valid ones."""
+    `lenght` would otherwise be ignored) with a TypeError that lists the valid ones, and values the family's
+    generator cannot use (`ask=size`) with a ValueError: one task's facts are drawn now (no haystack), so a bad
+    value is named when the environment is built, not later inside a rollout worker."""
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
         import inspect
@@ -171,6 +174,12 @@ def _checked_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
         own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "options")]
         raise TypeError(f"{cls.__name__} got unexpected argument(s) {', '.join(unknown)}; it takes "
                         f"{', '.join(own + sorted(DEFAULTS))}, and serve=context|search")
+    if family in GENERATORS:  # the `file` family has no generator: its task file is checked instead
+        rng = random.Random(f"{family}:check")
+        try:
+            GENERATORS[family](rng, Names(rng, pool_words(source)), {**DEFAULTS, **options})
+        except (TypeError, ValueError, KeyError, IndexError) as e:
+            raise ValueError(f"{family} options {options}: {e}") from None
     return options
 
 

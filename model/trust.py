@@ -40,8 +40,9 @@ def _auto_map(path: Path) -> Any:
         return None
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        # an unreadable file asks for nothing here; its own reader names the error
+    except (OSError, ValueError, RecursionError):
+        # an unreadable file asks for nothing here (transformers, told trust_remote_code=False, imports nothing
+        # either); its own reader names the error
         return None
     return data.get("auto_map") if isinstance(data, dict) else None
 

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from envs.index import BM25Index, BM25Params, DenseIndex, DenseParams, Progress, rrf
+from envs.index import BM25Index, BM25Params, BM25Tokenizer, DenseIndex, DenseParams, Progress, rrf
 from envs.sources import (
     BUILTIN_SOURCES,
     CorpusError,
@@ -210,7 +210,7 @@ class Corpus:
         """An in-memory corpus over given passages (their ids are kept as they are)."""
         _check_indexes(indexes)
         texts = [index_text(p) for p in passages]
-        b = BM25Index.build(texts, bm25 or BM25Params(), progress) if "bm25" in indexes else None
+        b = _build_bm25(name, texts, bm25 or BM25Params(), progress) if "bm25" in indexes else None
         d = DenseIndex.build(texts, dense or DenseParams(), progress) if "dense" in indexes else None
         return cls(name, documents, passages, b, d)
 
@@ -251,6 +251,16 @@ class Corpus:
 def index_text(p: Passage) -> str:
     """What the indexes see for a passage: the title (if any) and the text."""
     return f"{p.title}\n{p.text}" if p.title else p.text
+
+
+def _build_bm25(name: str, texts: Sequence[str], params: BM25Params, progress: Progress | None) -> BM25Index:
+    """The BM25 index of `texts`; `CorruptCorpusError` when no text holds a word it can index (only stop words or
+    punctuation), which the index library reports as an unrelated `max()` of an empty sequence."""
+    tokenize = BM25Tokenizer(params)
+    if not any(tokenize(t) for t in texts):
+        raise CorruptCorpusError(f"corpus {name!r}: none of its {len(texts)} passages has a word to index (only "
+                                 f"stop words, one-character words or punctuation)")
+    return BM25Index.build(texts, params, progress)
 
 
 def _check_indexes(indexes: Sequence[str]) -> None:
@@ -353,7 +363,7 @@ def load_corpus(config: CorpusConfig | str, progress: Progress | None = None, re
             if bm25 is None:
                 texts = texts or [index_text(p) for p in passages]
                 started = time.perf_counter()
-                bm25 = BM25Index.build(texts, config.bm25, progress)
+                bm25 = _build_bm25(config.name, texts, config.bm25, progress)
                 _save_part(root, manifest, keys, "bm25", bm25.save, time.perf_counter() - started, asdict(config.bm25))
         if "dense" in config.indexes:
             dense = _cached_part(root, manifest, keys, "dense", lambda p: DenseIndex.load(p, config.dense))

@@ -1,0 +1,35 @@
+"""An empty corpus is a named error: an empty or blank input file (which `datasets` reports as a bare
+`StopIteration`) and passages with no word to index (which the BM25 library reports as `max()` of an empty
+sequence) each name the file or corpus."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
+from envs.search import SearchEnv
+from envs.sources import CorruptCorpusError
+
+
+def corpus_of(tmp_path, name: str, data: bytes, suffix: str = ".jsonl"):
+    path = tmp_path / f"{name}{suffix}"
+    path.write_bytes(data)
+    return load_corpus(CorpusConfig(name=name, source=None, files=[str(path)], cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("data", [b"", b"\n\n  \n"])
+def test_an_empty_file_is_named(tmp_path, data):
+    with pytest.raises(CorruptCorpusError, match=r"empty\.jsonl: the file is empty \(no documents\)"):
+        corpus_of(tmp_path, "empty", data)
+
+
+def test_passages_without_a_word_to_index_are_named(tmp_path):
+    with pytest.raises(CorruptCorpusError, match="corpus 'stop': none of its 1 passages has a word to index"):
+        corpus_of(tmp_path, "stop", b"a", ".txt")
+    with pytest.raises(CorruptCorpusError, match="corpus 'task': none of its 2 passages"):
+        Corpus.from_passages([Document("d", "", "the")], [Passage("d#0", "d", "", "the", 0, 3),
+                                                          Passage("d#1", "d", "", "a ?", 0, 3)], name="task")
+    # a task whose passages hold nothing searchable is refused when its episode starts, by name
+    with pytest.raises(CorruptCorpusError, match="none of its 1 passages"):
+        SearchEnv(corpus=None).reset({"question": "Q?", "answers": ["x"],
+                                      "passages": [{"id": "p", "title": "", "text": "of the"}]})

@@ -284,7 +284,8 @@ OptimizerHandoff = StrEnum("OptimizerHandoff", {"keep": "keep", "reset": "reset"
 
 @dataclass
 class DataSource:
-    """One pretraining corpus (rl/pretrain_data.py): read through `datasets`, tokenized once and cached."""
+    """One pretraining corpus (rl/pretrain_data.py): read (every local file checked before any work: a bad one
+    is `path:line: what is wrong`), its control-token strings neutralised, tokenized once and cached."""
 
     path: str = "wiki"
     """A built-in corpus (`wiki`: Wikipedia lead summaries, `shakespeare`: 42 plays) or a local file, directory or
@@ -300,8 +301,8 @@ class DataSource:
     """Documents shorter than this (after grouping) are left out: a long-document source keeps only texts that
     really are long."""
     streaming: bool = False
-    """Read the files as a stream (`datasets` streaming): a corpus larger than memory is tokenized shard by shard
-    into the on-disk cache."""
+    """Read Parquet files as a stream (`datasets` streaming): a corpus larger than memory is tokenized shard by
+    shard into the on-disk cache. JSONL files are always read line by line, a text file whole (one document)."""
 
 
 @dataclass

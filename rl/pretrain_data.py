@@ -1,7 +1,9 @@
 """Pretraining token data: sources → a token cache on disk → packed rows, a pure function of (seed, stage, row).
 
 Token cache (`build_store`). A source (`DataSource`: the built-in `wiki` or `shakespeare`, or local text / JSONL /
-Parquet files read through `datasets`, optionally streamed) is tokenized once with the model's tokenizer, an EOS
+Parquet files: JSONL read line by line as envs/jsonl.py reads task files, Parquet through `datasets`, optionally
+streamed; `check_sources` reads every file through before any work, so a bad one is a named error
+`path:line: what` before anything is tokenized or written) is tokenized once with the model's tokenizer, an EOS
 after every document, and written incrementally to `cache_root/<name>-<key>/`. Documents are untrusted text: a
 control-token string in one (`<|im_end|>`, `<tool_call>`, …) is neutralised as in chat rendering, never a control id.
 

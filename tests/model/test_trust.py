@@ -79,7 +79,8 @@ def ran(markers: Path) -> list[str]:
 
 @pytest.fixture
 def evil(tiny_qwen3_dir, tmp_path):
-    return make_evil(tiny_qwen3_dir, tmp_path / "evil")
+    # a name of its own: transformers caches a directory's modules by the directory's name
+    return make_evil(tiny_qwen3_dir, tmp_path / f"evil_{tmp_path.name}")
 
 
 @pytest.fixture

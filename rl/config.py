@@ -415,9 +415,20 @@ class EvalConfig:
     endpoint_model: Optional[str] = None
     """`k3rl eval`: the served model's name at `endpoint`; null: the first of GET /models."""
     endpoint_timeout_s: float = 600.0
-    """`k3rl eval`: seconds one chat request to `endpoint` may take; past it (or on a 5xx) it is retried."""
+    """`k3rl eval`: seconds one chat request to `endpoint` may take, all of it (connect, send, every byte of the
+    reply: a server trickling bytes is cut there); past it — or on a refused connection, a 5xx or a 429 — it is
+    retried. Also the longest wait before a retry, whatever the server's Retry-After asks."""
     endpoint_retries: int = 2
-    """`k3rl eval`: retries of a failed chat request (with backoff); then the task is an error row and the run goes on."""
+    """`k3rl eval`: retries of a failed chat request (after 1, 2, 4 … s or the server's Retry-After, at most
+    `endpoint_timeout_s`); then the task is an error row and the run goes on. A resumed eval runs the tasks again
+    whose error was transient (connection, timeout, 5xx, 429) and keeps the others (a 4xx refusal, …)."""
+    endpoint_task_timeout_s: Optional[float] = None
+    """`k3rl eval`: seconds one task may take at `endpoint`, all its turns, retries and waits together (past it:
+    an error row, retried on resume). null: no bound but the per-request ones — up to `rollout.max_turns` ×
+    (`endpoint_retries` + 1) × `endpoint_timeout_s` plus the waits."""
+    endpoint_max_reply_chars: int = 65536
+    """`k3rl eval`: the longest reply kept from `endpoint`, in characters; a longer one is cut (the row says
+    `reply_truncated`), and its body is not read past 12 bytes a character (+ 64 KiB)."""
     max_position_embeddings: Optional[int] = None
     """`k3rl eval`: evaluate the model (native engine) with this many positions instead of its config's — to
     measure retrieval beyond the length it was trained at (NoPE MLA and KDA use no positions; a RoPE model

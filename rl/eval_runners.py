@@ -14,6 +14,7 @@ by runner); `describe()` says which backend and model, for results.json. A task 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -31,11 +32,14 @@ K3_MODEL_TYPES = ("k3rl_k3", "kimi_k3", "kimi_linear")
 
 
 def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics: dict, seconds: float,
-             transcript: str, success_key: Optional[str], error: str = "") -> dict[str, Any]:
+             transcript: str, success_key: Optional[str], error: str = "", error_kind: str = "",
+             **extra: Any) -> dict[str, Any]:
     """One row of tasks.jsonl: the task, its cell and depth, `prompt_tokens` (the whole in-context prompt of its
     haystack, the cell's measure), the reported reward components, success by the environment's rule (never for
-    an error row), tool calls, tokens read, wall time, the transcript, and for the model the first prompt the
-    engine was given (`engine_prompt_tokens`: in context, the cell's prompt as rendered for that model)."""
+    an error row), tool calls, tokens read, wall time, the transcript, the error and its kind (`error_kind`:
+    rl/endpoint_client.py's kinds, `context`, `engine` or `task`; a resume runs the transient ones again), for
+    the model the first prompt the engine was given (`engine_prompt_tokens`: in context, the cell's prompt as
+    rendered for that model), and a runner's `extra` fields (the endpoint's `reply_truncated`, `note`)."""
     from rl.eval_report import Episode
     from rl.evaluate import is_success
     from rl.longctx_eval import REPORTED
@@ -48,13 +52,35 @@ def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics:
             "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
             "tool_calls": float(metrics.get("tool_calls", 0.0)),
             "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
-            "error": error, "transcript": transcript,
-            **({"engine_prompt_tokens": int(metrics["engine_prompt_tokens"])} if "engine_prompt_tokens" in metrics else {})}
+            "error": error, "error_kind": (error_kind or "task") if error else "", "transcript": transcript,
+            **({"engine_prompt_tokens": int(metrics["engine_prompt_tokens"])} if "engine_prompt_tokens" in metrics else {}),
+            **extra}
 
 
 def _transcript(messages: Sequence[dict[str, Any]]) -> str:
     """The messages after the prompt (system, user), one `[role] content` block each."""
     return "\n".join(f"[{m['role']}] {m['content']}" for m in messages[2:])
+
+
+def tokens_read(messages: Sequence[dict[str, Any]], tokenizer: Any) -> int:
+    """Tokens a model reads in the episode `messages` (a message-level policy's: the baselines'), counted as the
+    model's own rows count them (`ModelRunner`: the trajectory's tokens less the sampled ones): the conversation
+    as the agent loop tokenises it (rollout/chat.py `render_transcript`: the prompt with its chat template and
+    generation prompt, each tool result with its turn delimiters, up to the last assistant turn) less the
+    assistant's tokens. Without a chat template (or a transcript the loop could not have produced): the
+    non-assistant messages' contents."""
+    from rollout.chat import ChatRenderer, render_transcript
+
+    if getattr(tokenizer, "chat_template", None) is not None:
+        try:
+            ids, mask, _ = render_transcript(ChatRenderer(tokenizer), messages)
+            return len(ids) - sum(mask)
+        except ValueError:
+            pass
+    from envs.base import as_token_counter
+
+    count = as_token_counter(tokenizer)
+    return sum(count(m["content"]) for m in messages if m["role"] != "assistant")
 
 
 # ---- who is evaluated: checks and construction
@@ -67,9 +93,14 @@ def check_evaluated(cfg: Any) -> None:
         if not str(ev.endpoint).startswith(("http://", "https://")):
             raise ConfigError(f"eval.endpoint: the http(s) base URL of an OpenAI-compatible API, e.g. "
                               f"http://127.0.0.1:8000/v1; got {ev.endpoint!r}")
-        if ev.endpoint_timeout_s <= 0 or ev.endpoint_retries < 0:
-            raise ConfigError(f"eval.endpoint_timeout_s must be > 0 and eval.endpoint_retries ≥ 0; got "
+        if not 0 < ev.endpoint_timeout_s < math.inf or ev.endpoint_retries < 0:
+            raise ConfigError(f"eval.endpoint_timeout_s must be > 0 (and finite) and eval.endpoint_retries ≥ 0; got "
                               f"{ev.endpoint_timeout_s} and {ev.endpoint_retries}")
+        if ev.endpoint_task_timeout_s is not None and not 0 < ev.endpoint_task_timeout_s < math.inf:
+            raise ConfigError(f"eval.endpoint_task_timeout_s: must be > 0 and finite (or null), got "
+                              f"{ev.endpoint_task_timeout_s}")
+        if ev.endpoint_max_reply_chars < 1:
+            raise ConfigError(f"eval.endpoint_max_reply_chars: must be ≥ 1, got {ev.endpoint_max_reply_chars}")
         if ev.model_path is not None and not _has_tokenizer(Path(ev.model_path)):
             raise ConfigError(f"eval.model_path: {ev.model_path} has no tokenizer (with eval.endpoint only its "
                               f"tokenizer is used: it counts the context lengths)")
@@ -204,7 +235,7 @@ class ModelRunner:
                 rows.append(task_row(self.name, gt, 0.0, {}, {}, 0.0, "", key, error=(
                     f"prompt of {gt.prompt_tokens} tokens + {room} to answer exceeds the context limit "
                     f"{self.limit()} (rollout.max_context_tokens, the model's max_position_embeddings "
-                    f"{self.max_positions})")))
+                    f"{self.max_positions})"), error_kind="context"))
             else:
                 runnable.append(gt)
         if not runnable:
@@ -219,7 +250,7 @@ class ModelRunner:
         except Exception as e:  # the batch failed (e.g. out of memory): every task of it is an error row
             seconds = time.perf_counter() - started
             return rows + [task_row(self.name, gt, 0.0, {}, {}, seconds / len(runnable), "", key,
-                                    error=f"{type(e).__name__}: {e}") for gt in runnable]
+                                    error=f"{type(e).__name__}: {e}", error_kind="engine") for gt in runnable]
         seconds = (time.perf_counter() - started) / len(runnable)
         for gt, t in zip(runnable, trajectories):
             transcript = self.tokenizer.decode(t.tokens[t.prompt_len:].tolist(), skip_special_tokens=False)
@@ -232,111 +263,147 @@ class ModelRunner:
 # ---- a served model behind an OpenAI-compatible endpoint
 
 class ChatPolicy:
-    """A message-level policy (messages → the assistant's text) that asks an OpenAI-compatible chat endpoint,
-    greedy, stopping at the end of a tool call; it keeps the server's token usage of every turn.
+    """A message-level policy (messages → the assistant's text) that asks an OpenAI-compatible chat endpoint
+    (rl/endpoint_client.py), greedy, stopping at the end of a tool call; it keeps the server's token usage of
+    every turn and whether a reply was cut at `eval.endpoint_max_reply_chars`.
 
+    What the server is sent is what the native engine renders (rollout/chat.py's `neutralize`): in every
+    message the special tokens' strings (`<|im_end|>`, `<|media_pad|>`, …) are broken by a word joiner, in tool
+    results every added token's too (`<tool_call>`, `</tool_response>`, …), so a passage cannot end a turn or
+    forge a call — `patterns` holds (special, added) `control_pattern`s of the evaluated model's tokenizer.
     Tool results are sent as user messages wrapped in `<tool_response>` (what Qwen-style templates render a
     tool message as): the `tool` role of the OpenAI API needs a `tool_call_id` of a structured call, which
     this text protocol has not. A server that strips the stop string (the OpenAI API does) gets it put back,
     so the environment's parser sees a closed call. `lock`, when given, is held by the caller while it plays
     the episode and released here while waiting for the server: episodes run side by side in threads while
-    environment code runs one at a time.
+    environment code runs one at a time. `deadline` (time.monotonic()) bounds the whole episode's requests.
     """
 
-    def __init__(self, client: Any, model: str, max_tokens: int, lock: Optional[threading.Lock] = None):
+    def __init__(self, client: Any, model: str, max_tokens: int, lock: Optional[threading.Lock] = None,
+                 patterns: tuple[Any, Any] = (None, None), deadline: Optional[float] = None):
         self.client, self.model, self.max_tokens, self.lock = client, model, max_tokens, lock
-        self.usage: list[Optional[tuple[int, int]]] = []
+        self.patterns, self.deadline = patterns, deadline
+        self.usage: list[Optional[tuple[Any, Any]]] = []
         """(prompt_tokens, completion_tokens) of every turn as the server reported them (None: not reported)."""
+        self.truncated = False
 
     def __call__(self, messages: list[dict[str, Any]]) -> str:
         from envs.tools import STOP_SEQUENCES, TOOL_CALL_END, TOOL_CALL_START, format_observation
+        from rollout.chat import neutralize
 
-        chat = [{"role": "user", "content": format_observation(m["content"])} if m["role"] == "tool"
-                else {"role": m["role"], "content": m["content"]} for m in messages]
+        special, added = self.patterns
+        chat = [{"role": "user", "content": format_observation(neutralize(m["content"], added)[0])}
+                if m["role"] == "tool" else {"role": m["role"], "content": neutralize(m["content"], special)[0]}
+                for m in messages]
         if self.lock is not None:
             self.lock.release()
         try:
-            response = self.client.chat.completions.create(
-                model=self.model, messages=chat, temperature=0.0, max_tokens=self.max_tokens,
-                stop=list(STOP_SEQUENCES))
+            reply = self.client.chat(chat, self.model, self.max_tokens, list(STOP_SEQUENCES), self.deadline)
         finally:
             if self.lock is not None:
                 self.lock.acquire()
-        usage = response.usage
-        self.usage.append((usage.prompt_tokens, usage.completion_tokens) if usage and usage.prompt_tokens else None)
-        choice = response.choices[0]
-        text = choice.message.content or ""
-        if hasattr(choice, "stop_reason"):  # vLLM names the stop string that matched (None: the end of the turn)
-            stopped_at_call = choice.stop_reason == TOOL_CALL_END
+        self.usage.append(reply.usage)
+        self.truncated |= reply.truncated
+        text = reply.text
+        if reply.has_stop_reason:  # vLLM names the stop string that matched (None: the end of the turn)
+            stopped_at_call = reply.stop_reason == TOOL_CALL_END
         else:  # other servers say only that one did
-            stopped_at_call = choice.finish_reason == "stop"
+            stopped_at_call = reply.finish_reason == "stop"
         if stopped_at_call and text.rfind(TOOL_CALL_START) > text.rfind(TOOL_CALL_END):
             text += TOOL_CALL_END
         return text
 
-    def tokens_read(self) -> Optional[int]:
-        """Tokens the model read, each once (the prompt and the tool results, as the native engine counts them):
-        the last turn's prompt less the replies before it, from the server's counts; None without them."""
-        if not self.usage or any(u is None for u in self.usage):
-            return None
-        return self.usage[-1][0] - sum(c for _, c in self.usage[:-1])
+    def tokens_read(self, own: int) -> tuple[int, str]:
+        """Tokens the model read, each once (the prompt and the tool results, as the native engine counts them),
+        and a note when they are not the server's: the last turn's prompt less the replies before it, from the
+        server's usage when that is a consistent count — integers, prompts > 0 that never shrink, a total within
+        [own / 2, 2 × own + 256] of `own` (the tokenizer's count of the same messages, without the chat
+        template) — else `own`, with a note saying why."""
+        usage = self.usage
+        if not usage or any(u is None for u in usage):
+            return own, "the server reported no usage: tokens_read is the tokenizer's count"
+        ints = all(isinstance(n, int) and not isinstance(n, bool) for u in usage for n in u)
+        if ints and all(p > 0 and c >= 0 for p, c in usage) and all(a[0] <= b[0] for a, b in zip(usage, usage[1:])):
+            read = usage[-1][0] - sum(c for _, c in usage[:-1])
+            if own / 2 <= read <= 2 * own + 256:
+                return read, ""
+        shown = ", ".join(f"{p!r}/{c!r}" for p, c in usage[:4]) + (", …" if len(usage) > 4 else "")
+        return own, (f"the server's usage (prompt/completion tokens by turn: {shown}) is not a consistent count: "
+                     f"tokens_read is the tokenizer's count")
 
 
 class EndpointRunner:
-    """A served model behind an OpenAI-compatible chat endpoint (`eval.endpoint`); see `ChatPolicy`.
+    """A served model behind an OpenAI-compatible chat endpoint (`eval.endpoint`); see `ChatPolicy` and
+    rl/endpoint_client.py (the deadlines, retries and reply cap).
 
-    Starting it probes GET /models: an unreachable server, a wrong URL or a model it does not serve is a
-    named ConfigError before any work. A failure later (a timeout or a 5xx after `eval.endpoint_retries`
-    retries, a prompt the server refuses) is that task's error row. Up to `eval.batch_size` episodes of a cell
-    run at once. Lengths are counted with `eval.model_path`'s tokenizer, else the one the served model's name
-    resolves to locally (a path, the HF cache).
+    Starting it probes GET /models: an unreachable server, a wrong URL, a listing that is not JSON or not a
+    model list, a model it does not serve, or a `max_model_len` that is not a positive integer is a named
+    ConfigError before any work. A failure later (a timeout or a 5xx after `eval.endpoint_retries` retries, a
+    prompt the server refuses) is that task's error row, with its kind. Up to `eval.batch_size` episodes of a
+    cell run at once. Lengths are counted with `eval.model_path`'s tokenizer, else the one the served model's
+    name resolves to locally (a path, the HF cache); its control tokens are what `ChatPolicy` neutralises.
     """
 
     name = "model"
     backend = "endpoint"
 
     def __init__(self, cfg: Any):
-        try:
-            import openai
-        except ImportError:
-            raise ConfigError("eval.endpoint: needs the `openai` package (vLLM installs it): pip install openai") from None
+        from rl.endpoint_client import EndpointClient
+        from rollout.chat import control_pattern
+
         ev = cfg.eval
         self.cfg, self.url = cfg, str(ev.endpoint).rstrip("/")
         # the key comes from the environment, never from the config: config.yaml is written next to the results
-        self.client = openai.OpenAI(base_url=self.url, api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
-                                    timeout=float(ev.endpoint_timeout_s), max_retries=int(ev.endpoint_retries))
-        self.model, self.max_model_len = self._probe(openai, ev.endpoint_model)
+        self.client = EndpointClient(self.url, os.environ.get("OPENAI_API_KEY") or "EMPTY",
+                                     float(ev.endpoint_timeout_s), int(ev.endpoint_retries),
+                                     int(ev.endpoint_max_reply_chars))
+        self.model, self.max_model_len = self._probe(ev.endpoint_model)
         self.tokenizer = self._tokenizer()
+        self.patterns = (control_pattern(self.tokenizer), control_pattern(self.tokenizer, special_only=False))
         self._lock = threading.Lock()
 
-    def _probe(self, openai: Any, wanted: Optional[str]) -> tuple[str, Optional[int]]:
+    def _probe(self, wanted: Optional[str]) -> tuple[str, Optional[int]]:
         """The served model to evaluate and its context limit (vLLM reports `max_model_len`), from GET /models."""
+        from rl.endpoint_client import EndpointError
+
+        where = f"GET {self.url}/models"
         try:
-            probe = self.client.with_options(max_retries=0, timeout=min(30.0, float(self.cfg.eval.endpoint_timeout_s)))
-            served = list(probe.models.list())
-        except openai.APIStatusError as e:
-            raise ConfigError(f"eval.endpoint: GET {self.url}/models answered HTTP {e.status_code}; is {self.url} the "
-                              f"base URL of an OpenAI-compatible API (it usually ends in /v1)?") from None
-        except openai.APIError as e:  # connection refused, unknown host, timeout
-            raise ConfigError(f"eval.endpoint: cannot reach {self.url} ({type(e).__name__}: {e}); start the server "
+            listing = self.client.models()
+        except EndpointError as e:
+            if e.status is not None:
+                raise ConfigError(f"eval.endpoint: {where} answered HTTP {e.status}; is {self.url} the base URL of "
+                                  f"an OpenAI-compatible API (it usually ends in /v1)?") from None
+            if e.kind == "reply":
+                raise ConfigError(f"eval.endpoint: {where} did not answer a JSON model list: {e}; is {self.url} an "
+                                  f"OpenAI-compatible API?") from None
+            raise ConfigError(f"eval.endpoint: cannot reach {self.url} ({e}); start the server "
                               f"(e.g. `vllm serve MODEL --port 8000`) or fix the URL") from None
-        names = [m.id for m in served]
+        served = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(served, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                                   for m in served):
+            raise ConfigError(f"eval.endpoint: {where} is not a model list ({{\"data\": [{{\"id\": …}}, …]}} "
+                              f"expected); got {json.dumps(listing)[:200]}")
+        names = [m["id"] for m in served]
         if wanted is None and not names:
             raise ConfigError(f"eval.endpoint: {self.url} serves no model (GET /models is empty); set eval.endpoint_model")
         if wanted is not None and wanted not in names:
             raise ConfigError(f"eval.endpoint_model: {wanted!r} is not served at {self.url}; it serves "
                               f"{', '.join(map(repr, names)) or 'nothing'}")
         model = wanted if wanted is not None else names[0]
-        limit = next((getattr(m, "max_model_len", None) for m in served if m.id == model), None)
-        return model, int(limit) if limit else None
+        limit = next(m.get("max_model_len") for m in served if m["id"] == model)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+            raise ConfigError(f"eval.endpoint: {where} gives model {model!r} max_model_len {json.dumps(limit)[:80]}; "
+                              f"expected a positive integer (the tokens the server holds) or no field")
+        return model, limit
 
     def _tokenizer(self):
         from model.tokenizer import load_tokenizer
 
+        trust = bool(self.cfg.run.trust_remote_code)
         if self.cfg.eval.model_path is not None:
-            return load_tokenizer(self.cfg.eval.model_path)
+            return load_tokenizer(self.cfg.eval.model_path, trust_remote_code=trust)
         try:
-            return load_tokenizer(self.model, local_files_only=True)
+            return load_tokenizer(self.model, trust_remote_code=trust, local_files_only=True)
         except Exception:
             raise ConfigError(f"eval.model_path: set it to a local directory with the tokenizer of {self.model!r} "
                               f"(served at {self.url}): lengths are counted with the evaluated model's tokenizer, "
@@ -364,32 +431,37 @@ class EndpointRunner:
     def _task(self, gt: "GridTask", kwargs: dict[str, Any], key: Optional[str], count) -> dict[str, Any]:
         import envs
         from envs.base import Budget, run_episode
+        from rl.endpoint_client import EndpointError
 
         room = int(self.cfg.rollout.max_new_tokens)
         if self.max_model_len and gt.cell.serve == "context" and gt.prompt_tokens + room > self.max_model_len:
             return task_row(self.name, gt, 0.0, {}, {}, 0.0, "", key, error=(
                 f"prompt of {gt.prompt_tokens} tokens + {room} to answer exceeds the served model's context "
-                f"limit {self.max_model_len} (max_model_len at {self.url})"))
+                f"limit {self.max_model_len} (max_model_len at {self.url})"), error_kind="context")
         started = time.perf_counter()
-        policy = ChatPolicy(self.client, self.model, room, self._lock)
+        bound = self.cfg.eval.endpoint_task_timeout_s
+        policy = ChatPolicy(self.client, self.model, room, self._lock, self.patterns,
+                            None if bound is None else time.monotonic() + float(bound))
         try:
             with self._lock:  # environment code one episode at a time; the policy lets go while the server works
                 env = envs.make(gt.cell.family, **kwargs)
                 budget = Budget(**{**vars(env.budget), "max_turns": self.cfg.rollout.max_turns})
                 result = run_episode(env, gt.task, policy, budget, count)
-                read = policy.tokens_read()
-                if read is None:  # no usage from the server: counted like the baselines
-                    read = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")
-        except Exception as e:  # a timeout or server error after the retries: this task's error row
+                own = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")
+        except EndpointError as e:  # after the retries: this task's error row, with the kind a resume reads
             return task_row(self.name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
-                            error=f"{type(e).__name__}: {e}")
+                            error=f"{type(e).__name__}: {e}", error_kind=e.kind)
+        except Exception as e:  # the episode failed (environment code)
+            return task_row(self.name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
+                            error=f"{type(e).__name__}: {e}", error_kind="task")
+        read, note = policy.tokens_read(own)
         info = result.info
         from rl.longctx_eval import REPORTED
 
         rewards = {k: v for k, v in info.items() if k in REPORTED}
         metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
         return task_row(self.name, gt, result.reward, rewards, metrics, time.perf_counter() - started,
-                        _transcript(result.messages), key)
+                        _transcript(result.messages), key, reply_truncated=policy.truncated, note=note)
 
 
 # ---- the baselines
@@ -426,8 +498,7 @@ def run_baseline(name: str, cfg: Any, cell_tasks: Sequence["GridTask"], tokenize
                 policy = ClosedBookPolicy(rng.choice(others)) if others else (lambda messages: "unanswerable")
             result = run_episode(env, gt.task, policy, budget, count)
             info = result.info
-            read = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")  # prompt + results
-            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
+            metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": tokens_read(result.messages, tokenizer)}
             rewards = {k: v for k, v in info.items() if k in REPORTED}
             rows.append(task_row(name, gt, result.reward, rewards, metrics, time.perf_counter() - started,
                                  _transcript(result.messages), key))

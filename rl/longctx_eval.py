@@ -169,29 +169,47 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
 # ---- per-task results (append-only, resumable)
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a tasks.jsonl (a line torn by a crash is dropped)."""
+    """The rows of a tasks.jsonl (a line torn by a crash, or anything else that is not a row, is dropped; lines
+    end at `\n` only)."""
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    lines = path.read_text(errors="surrogateescape").split("\n")
+    return [row for row in map(_row, lines) if row is not None]
+
+
+LEGACY_TRANSIENT = ("APIConnectionError:", "APITimeoutError:", "InternalServerError:", "RateLimitError:")
+"""How the error of an endpoint row written before rows had an `error_kind` starts when it was transient (the
+`openai` client's exceptions for a refused connection, a timeout, a 5xx, a 429)."""
+
+
+def is_transient(row: dict[str, Any]) -> bool:
+    """Whether an error row failed for a reason that may be gone (rl/endpoint_client.py's TRANSIENT kinds): a
+    resumed eval runs its task again. A row without `error_kind` (older k3rl) is judged by its error's
+    exception name."""
+    from rl.endpoint_client import TRANSIENT
+
+    if not row.get("error"):
+        return False
+    if "error_kind" in row:
+        return row["error_kind"] in TRANSIENT
+    return str(row["error"]).startswith(LEGACY_TRANSIENT)
 
 
 class RowWriter:
-    """Appends rows to tasks.jsonl, flushed and fsynced per batch, after cutting a torn last line."""
+    """Appends rows to tasks.jsonl, flushed and fsynced per batch, after cutting a torn last line and the rows
+    of `drop` ((runner, task_id): error rows run again), so the file keeps one row per task; the file is
+    replaced whole (os.replace) when it changes, so a crash leaves the old one or the new one."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, drop: frozenset[tuple[str, str]] = frozenset()):
         self.path = path
         if path.is_file():
-            text = path.read_text()
-            if text and not text.endswith("\n"):
-                keep = text[:text.rfind("\n") + 1]
+            text = path.read_text(errors="surrogateescape")
+            keep = text[:text.rfind("\n") + 1]
+            if drop:
+                keep = "".join(line + "\n" for line in keep.split("\n")[:-1] if _key(line) not in drop)
+            if keep != text:
                 tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(keep)
+                tmp.write_text(keep, errors="surrogateescape")
                 os.replace(tmp, path)
         self._file = open(path, "a")
 
@@ -203,6 +221,22 @@ class RowWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _row(line: str) -> Optional[dict[str, Any]]:
+    """The row of a tasks.jsonl line; None for a line that is not one."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("runner"), str) and isinstance(row.get("task_id"), str)
+    return row if ok else None
+
+
+def _key(line: str) -> Optional[tuple[str, str]]:
+    """(runner, task_id) of a tasks.jsonl line; None for a line that is not a row."""
+    row = _row(line)
+    return None if row is None else (row["runner"], row["task_id"])
 
 
 # ---- the driver
@@ -228,8 +262,11 @@ def run_eval(cfg: Any) -> Path:
     # what decides the rows (not where they are written): a resumed eval must have the same
     from omegaconf import OmegaConf
 
-    identity = json.dumps({**{k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("eval", "rollout", "env")},
-                           "evaluated": evaluated}, sort_keys=True, default=str)
+    identity = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("eval", "rollout", "env")}
+    # how patient the client is decides no row's content: a resume may raise them to retry the timeouts
+    for key in ("endpoint_timeout_s", "endpoint_retries", "endpoint_task_timeout_s"):
+        identity["eval"].pop(key, None)
+    identity = json.dumps({**identity, "evaluated": evaluated}, sort_keys=True, default=str)
     saved = out / "grid.json"
     rows = read_rows(out / TASKS_FILE)
     if rows and saved.is_file() and saved.read_text() != identity:
@@ -237,6 +274,9 @@ def run_eval(cfg: Any) -> Path:
                           f"(or delete {out})")
     saved.write_text(identity)
     (out / "config.yaml").write_text(to_yaml(cfg))
+    # error rows of a transient failure (the server was down, slow, overloaded) are run again
+    retry = frozenset((r["runner"], r["task_id"]) for r in rows if is_transient(r))
+    rows = [r for r in rows if (r["runner"], r["task_id"]) not in retry]
     done = {(r["runner"], r["task_id"]) for r in rows}
     runners = [(runner.name, runner.run)] + [(b, lambda tasks, b=b: run_baseline(b, cfg, tasks, tokenizer))
                                          for b in ev.baselines]
@@ -248,7 +288,10 @@ def run_eval(cfg: Any) -> Path:
     total = sum(len(t) for _, _, t in todo)
     if done:
         print(f"resuming: {len(done)} finished task rows kept, {total} to run", flush=True)
-    writer = RowWriter(out / TASKS_FILE)
+    if retry:
+        print(f"resuming: {len(retry)} error rows of a transient failure (connection, timeout, 5xx, 429) run again",
+              flush=True)
+    writer = RowWriter(out / TASKS_FILE, retry)
     progress = Progress(TextColumn("[bold]eval {task.fields[cell]}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[score]}"), TimeElapsedColumn(), TimeRemainingColumn())
     try:

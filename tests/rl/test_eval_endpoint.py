@@ -167,21 +167,21 @@ def test_an_unreachable_endpoint_and_k3_on_vllm_are_named_before_anything_is_wri
 
 
 class FakeChat:
-    """A chat client whose replies are given: records the messages it was sent."""
+    """A chat client (rl/endpoint_client.py's interface) whose replies are given: records the messages it was sent."""
 
     def __init__(self, replies):
         self.replies, self.sent = list(replies), []
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
-    def create(self, model, messages, temperature, max_tokens, stop):
-        assert temperature == 0.0 and stop == ["</tool_call>"]
+    def chat(self, messages, model, max_tokens, stop, deadline=None):
+        assert stop == ["</tool_call>"]
         self.sent.append(messages)
         return self.replies.pop(0)
 
 
-def reply(text, finish="stop", usage=(0, 0), **extra):
-    choice = SimpleNamespace(message=SimpleNamespace(content=text), finish_reason=finish, **extra)
-    return SimpleNamespace(choices=[choice], usage=SimpleNamespace(prompt_tokens=usage[0], completion_tokens=usage[1]))
+def reply(text, finish="stop", usage=(0, 0), **stop_reason):
+    from rl.endpoint_client import Reply
+
+    return Reply(text, finish, stop_reason.get("stop_reason"), "stop_reason" in stop_reason, usage, False)
 
 
 def test_the_chat_policy_restores_the_stop_string_and_counts_each_token_read_once():
@@ -201,4 +201,22 @@ def test_the_chat_policy_restores_the_stop_string_and_counts_each_token_read_onc
         assert not policy(messages).endswith("</tool_call>")  # vLLM: the turn ended without closing its call
         assert policy(messages).endswith("</tool_call>")  # vLLM: stopped at the end of the call
     assert client.sent[1][-1] == {"role": "user", "content": "<tool_response>\nobs\n</tool_response>"}
-    assert policy.tokens_read() == 150 - 12 - 9
+    assert policy.tokens_read(own=120) == (150 - 12 - 9, "")
+
+
+@pytest.mark.parametrize("usage", [
+    [(100, 12), (-5, 9)],  # negative
+    [(100, 12), (130.5, 9)],  # not an integer
+    [(100, True), (130, 9)],  # a bool is not a count
+    [(100, 12), None],  # a turn without usage
+    [(100, 12), (90, 9)],  # the prompt shrank
+    [(100, 12), (10 ** 12, 9)],  # far from the tokenizer's count
+    [(100, 90), (130, 9)],  # the replies before outweigh the last prompt
+])
+def test_usage_that_is_not_a_consistent_count_gives_the_tokenizers_with_a_note(usage):
+    from rl.eval_runners import ChatPolicy
+
+    policy = ChatPolicy(FakeChat([]), "m", 16)
+    policy.usage = usage
+    read, note = policy.tokens_read(own=120)
+    assert read == 120 and "tokenizer's count" in note

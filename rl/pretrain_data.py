@@ -258,12 +258,7 @@ def _file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[s
     that is not UTF-8 or JSON, or a record without a string `text_field`, is `CorruptCorpusError("path:line: …")`."""
     try:
         if kind == "text":
-            data = path.read_bytes()
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                line = data[:e.start].count(b"\n") + 1
-                raise CorruptCorpusError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+            text = _utf8(path, path.read_bytes())
             if text.strip():
                 yield f"{path.name}#0", text.strip(), None
             return
@@ -273,18 +268,40 @@ def _file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[s
             raise CorruptCorpusError(f"{path}:1: the file is empty (no records)")
         if first[1].lstrip().startswith("["):
             # a whole-file JSON array of records (what `datasets` reads from a .json file)
-            rows = parse_line(f"{path}:{first[0]}", path.read_text(encoding="utf-8"))
-            rows = [(first[0], r) for r in rows] if isinstance(rows, list) else [(first[0], rows)]
+            rows = _json_array(path, first[0])
         else:
-            rows = ((n, parse_line(f"{path}:{n}", line)) for n, line in chain([first], lines))
-        for row, (n, record) in enumerate(rows):
-            text, group = _fields(f"{path}:{n}", record, source)
+            rows = ((f"{path}:{n}", parse_line(f"{path}:{n}", line)) for n, line in chain([first], lines))
+        for row, (where, record) in enumerate(rows):
+            text, group = _fields(where, record, source)
             if text and text.strip():
                 yield f"{path.name}#{row}", text.strip(), group
     except JsonlError as e:
         raise CorruptCorpusError(str(e)) from None
     except OSError as e:
         raise CorruptCorpusError(f"{path}:1: cannot be read ({e.strerror or e})") from None
+
+
+def _utf8(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise CorruptCorpusError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+
+
+def _json_array(path: Path, line: int) -> list[tuple[str, Any]]:
+    """(where, record) of a file holding one JSON array that starts on `line`."""
+    text = _utf8(path, path.read_bytes())
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        # parse_line would name the array's first line: name the line of the fault instead
+        raise CorruptCorpusError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError):
+        pass
+    value = parse_line(f"{path}:{line}", text)
+    records = value if isinstance(value, list) else [value]
+    return [(f"{path}:{line}: record {i}", r) for i, r in enumerate(records)]
 
 
 def _fields(where: str, record: Any, source: DataSource) -> tuple[Optional[str], Any]:

@@ -97,7 +97,7 @@ def bad_files(root: Path) -> list[tuple[str, dict, str]]:
         "surrogate.jsonl": b'{"text": "lone \\ud800 surrogate"}\n', "gzip.jsonl": b"\x1f\x8b\x08\x00\x00\x00\x00",
         "empty-texts.jsonl": b'{"text": ""}\n{"text": null}\n{"text": "  "}\n',
         "latin1.txt": "caf\xe9 au lait\n".encode("latin-1"), "empty.txt": b"",
-        "array.json": b'[{"text": "fine"}, {"text": 3}]\n', "corrupt.parquet": b"PAR1" + bytes(range(200)) + b"PAR1",
+        "array.json": b'[{"text": "fine"}, {"text": 3}]\n', "array-broken.json": b'[\n{"text": "fine"},\n{"text": }]\n', "corrupt.parquet": b"PAR1" + bytes(range(200)) + b"PAR1",
         "not-parquet.parquet": good,
     }
     root.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ def bad_files(root: Path) -> list[tuple[str, dict, str]]:
         at("surrogate.jsonl", 1, "a string holds a lone surrogate"), at("gzip.jsonl", 1, "not UTF-8 text"),
         ("empty-texts.jsonl", {}, rf"{re.escape(str(root / 'empty-texts.jsonl'))}: no document"),
         at("latin1.txt", 1, "not UTF-8 text"), ("empty.txt", {}, rf"{re.escape(str(root / 'empty.txt'))}: no document"),
-        at("array.json", 1, "'text' is int, not text"),
+        at("array.json", 1, "record 1: 'text' is int, not text"), at("array-broken.json", 3, "not valid JSON"),
         ("corrupt.parquet", {}, rf"{re.escape(str(root / 'corrupt.parquet'))}: not a readable Parquet file"),
         ("not-parquet.parquet", {}, rf"{re.escape(str(root / 'not-parquet.parquet'))}: not a readable Parquet file"),
         ("truncated.parquet", {}, rf"{re.escape(str(truncated))}: not a readable Parquet file"),
@@ -219,3 +219,14 @@ def test_k3rl_pretrain_exits_2_before_writing(tmp_path, capsys, monkeypatch, nam
     assert captured.err.startswith(f"k3rl pretrain: pretrain.sources.books: {tmp_path / 'data' / name}"), captured.err
     assert "Traceback" not in captured.err + captured.out
     assert not (tmp_path / "runs").exists() and not (tmp_path / "k3rl-data" / "pretrain").exists()
+
+
+def test_what_reads_well_still_reads(tmp_path, tok):
+    """Blank lines, CRLF ends, U+2028 inside a string, a null text and a `.json` array are all fine."""
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "First\\u2028line."}\r\n\n{"text": null}\n{"text": "Second."}')
+    (tmp_path / "b.json").write_text('[{"text": "Third."},\n {"text": "Fourth."}]')
+    source = DataSource(path=str(tmp_path / "*.json*"))
+    check_sources({"books": source}, tmp_path / "cache")
+    store = build_store("books", source, tok, tmp_path / "cache")
+    assert [tok.decode(store.doc(i)[:-1]) for i in range(store.num_docs)] == [
+        "First\u2028line.", "Second.", "Third.", "Fourth."]

@@ -263,7 +263,7 @@ _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "t
 def file_format(path: Path, fmt: str = "auto") -> str:
     if fmt != "auto":
         if fmt not in ("json", "parquet", "text"):
-            raise ValueError(f"unknown corpus file format {fmt!r}; use json, parquet, text or auto")
+            raise CorruptCorpusError(f"unknown corpus file format {fmt!r}; use json, parquet, text or auto")
         return fmt
     for suffix in reversed(path.suffixes):
         if suffix.lower() in _FORMATS:

@@ -190,6 +190,9 @@ def check_sources(sources: Mapping[str, DataSource], cache_root: str | Path) -> 
     from rl.config import ConfigError
 
     for name, source in sources.items():
+        if not _SAFE_NAME.match(name):
+            raise ConfigError(f"pretrain.sources: the name {name!r} must be a plain folder name (letters, digits, "
+                              f"'.', '_', '-'): it names the source's cache directory")
         if source.path in BUILTIN_SOURCES:
             continue
         try:
@@ -204,8 +207,7 @@ def check_sources(sources: Mapping[str, DataSource], cache_root: str | Path) -> 
                 else:
                     documents += sum(1 for _ in _file_records(path, kind, source))
             if not documents:
-                raise CorruptCorpusError(f"{', '.join(map(str, files[:3]))}: no document (every record's "
-                                         f"{source.text_field!r} is empty)")
+                raise CorruptCorpusError(f"{', '.join(map(str, files[:3]))}: no document (every record is empty)")
         except CorpusError as e:
             raise ConfigError(f"pretrain.sources.{name}: {e}") from None
 

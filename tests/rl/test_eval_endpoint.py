@@ -104,7 +104,8 @@ def test_a_served_model_is_evaluated_through_the_endpoint(endpoint_run, served):
     for r in rows:
         assert r["runner"] == "model" and r["error"] == "", r["error"]
         assert r["transcript"].startswith("[assistant] ") and len(r["transcript"]) > len("[assistant] ")
-        assert r["tokens_read"] > 0
+        assert r["tokens_read"] > 0 and r["note"] == ""  # the server's usage, checked and kept
+        assert r["reply_truncated"] is False
         if r["serve"] == "context":  # the server counts the whole prompt as the grid does (template, system, haystack)
             assert r["tokens_read"] >= r["prompt_tokens"] > 0.8 * r["length"]
     config = json.loads((endpoint_run / "results.json").read_text())["config"]

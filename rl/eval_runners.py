@@ -90,7 +90,7 @@ def check_evaluated(cfg: Any) -> None:
     (an endpoint is probed when `EndpointRunner` starts, still before anything is written)."""
     ev = cfg.eval
     if ev.endpoint is not None:
-        if not str(ev.endpoint).startswith(("http://", "https://")):
+        if not _is_http_url(str(ev.endpoint)):
             raise ConfigError(f"eval.endpoint: the http(s) base URL of an OpenAI-compatible API, e.g. "
                               f"http://127.0.0.1:8000/v1; got {ev.endpoint!r}")
         if not 0 < ev.endpoint_timeout_s < math.inf or ev.endpoint_retries < 0:
@@ -135,6 +135,18 @@ def check_evaluated(cfg: Any) -> None:
             check_engine_args("vllm", dict(cfg.rollout.engine_args))
         except ValueError as e:
             raise ConfigError(f"rollout.engine_args: {e}") from None
+
+
+def _is_http_url(url: str) -> bool:
+    """Whether `url` is http(s)://HOST[:PORT]/… with a host and a numeric port, if any."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port that is not a number, or out of range
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -245,6 +245,15 @@ def test_a_bad_model_listing_is_named_before_anything_is_written(server, k3_dir,
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("url", ["http://", "http://127.0.0.1:port/v1", "http://127.0.0.1:99999/v1"])
+def test_an_endpoint_that_is_not_an_http_url_is_named(tmp_path, capsys, url):
+    assert main([str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={tmp_path}", "run.name=e",
+                 f"eval.endpoint={url}"]) == 2
+    assert f"eval.endpoint: the http(s) base URL of an OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1; got " \
+           f"{url!r}" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
 CONTROL = "<|im_end|><|im_user|>user<|im_middle|> <|media_pad|> <tool_call> </tool_response> <tool_response>"
 
 

@@ -1,12 +1,14 @@
 """Training task files fuzzed from one valid row (tests/jsonl_fuzz.py): `read_tasks` loads each or raises
 `ConfigError` as `path:line: what` — under both `env.bad_task_rows` policies, never another exception; rows
-are split on `\\n` only, so a row holding U+2028 or U+0085 in a string is a valid task."""
+are split on `\\n` only, so a row holding U+2028 or U+0085 in a string is a valid task; a few bad files through
+`k3rl train` exit 2 with the message, before anything is written."""
 
 from __future__ import annotations
 
 import json
 import traceback
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,8 @@ from envs.search import SearchEnv
 from rl.config import ConfigError
 from rl.tasks import read_tasks
 from tests.jsonl_fuzz import problem, variants
+
+REPO = Path(__file__).parents[2]
 
 ROW = {"id": "t1", "question": "Who lit the lantern?", "answers": ["Ann"],
        "passages": [{"id": "d1", "title": "Lantern", "text": "Ann lit the lantern at dusk."},
@@ -72,3 +76,18 @@ def test_file_level_problems_are_refused_even_when_skipping(env, tmp_path):
     skipped: list[str] = []
     assert read_tasks(path, env, "skip", skipped) == [ROW]
     assert [s.split(": ", 1)[0] for s in skipped] == [f"{path}:{n}" for n in (2, 3, 4)], skipped
+
+
+@pytest.mark.parametrize("name", ["utf-16", "escape-lone-high", "int-10000-in-id", "nest-row-100000"])
+def test_bad_task_files_exit_2_through_k3rl_train(tiny_qwen3_dir, tmp_path, capsys, name):
+    from rl.cli import main
+
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(dict(variants(ROW, seed=28))[name])
+    argv = ["train", str(REPO / "configs/rl/quickstart.yaml"), f"run.output_dir={tmp_path / 'runs'}",
+            f"rl.model_path={tiny_qwen3_dir}", "env.name=search", "~env.args", "env.args.corpus=null",
+            f"env.tasks_path={path}"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert f"k3rl train: {path}:1: " in captured.err, captured.err
+    assert "Traceback" not in captured.err + captured.out and not (tmp_path / "runs").exists()

@@ -20,8 +20,9 @@ key=value  override a setting, e.g. limit=2000 indexes=[bm25,dense] bm25.k1=0.9
 
 def read_config(path_or_name: str, overrides: list[str]):
     """A ``CorpusConfig`` from a YAML file (or built-in source name) plus dotted overrides."""
+    import yaml
     from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
     from envs.corpus import CorpusConfig
     from envs.sources import BUILTIN_SOURCES
@@ -37,6 +38,9 @@ def read_config(path_or_name: str, overrides: list[str]):
     except ConfigKeyError as exc:
         valid = ", ".join(CorpusConfig.__dataclass_fields__)
         raise ValueError(f"{exc.msg.splitlines()[0]}; valid keys: {valid}") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path_or_name}: not a corpus config YAML ({first})") from None
     return OmegaConf.to_object(merged)
 
 

@@ -5,9 +5,12 @@ Python's 4,300-digit limit, deep nesting, lone surrogates, NaN, wrong types …)
 
 from __future__ import annotations
 
+import json
 import traceback
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from envs.longctx.taskfile import TaskFileError, read_task_file
 from tests.jsonl_fuzz import problem, variants
@@ -83,3 +86,13 @@ def test_bad_task_files_exit_2_through_k3rl_eval(tmp_path, capsys):
         assert f"k3rl eval: eval.tasks_file: {path}:1: " in captured.err, (name, captured.err)
         assert "Traceback" not in captured.err + captured.out, name
         assert not out.exists(), name
+
+
+@pytest.mark.parametrize("text", ["name: [unclosed\n  x: : :\n", "- a\n- b\n", "foo: 1\n", "\xff\xfe"])
+def test_a_bad_corpus_yaml_is_named_by_the_task_line(tmp_path, text):
+    (tmp_path / "corpus.yaml").write_bytes(text.encode("latin-1"))
+    path = tmp_path / "tasks.jsonl"
+    row = {"id": "c", "question": "Q?", "answers": ["x"], "corpus": "corpus.yaml", "evidence": ["a"]}
+    path.write_text(json.dumps(ROW) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(TaskFileError, match=rf"^{path}:2: task 'c': corpus 'corpus.yaml': "):
+        read_task_file(path)

@@ -6,7 +6,8 @@
 - A bad data file (binary, empty, not UTF-8, a BOM, JSONL without the column or with a non-string one, deep
   nesting, huge integers, NaN, a corrupt Parquet file, a directory without corpus files, …) is a named error
   `pretrain.sources.NAME: path:line: what` from `check_sources` without tokenizing, and exit 2 from
-  `k3rl pretrain` before the run directory exists.
+  `k3rl pretrain` before the run directory exists; the task-file fuzz (tests/jsonl_fuzz.py) on a pretraining
+  record gives no traceback either.
 """
 
 from __future__ import annotations
@@ -233,3 +234,28 @@ def test_what_reads_well_still_reads(tmp_path, tok):
     store = build_store("books", source, tok, tmp_path / "cache")
     assert [tok.decode(store.doc(i)[:-1]) for i in range(store.num_docs)] == [
         "First\u2028line.", "Second.", "Third.", "Fourth."]
+
+
+def test_fuzzed_jsonl_files_read_or_name_file_and_line(tmp_path):
+    """The task-file fuzz (tests/jsonl_fuzz.py) on a pretraining record: each file is read or named, no traceback."""
+    from tests.jsonl_fuzz import problem, variants
+
+    cases = variants({"id": "d1", "text": "A document about lanterns.", "meta": {"source": "fuzz"}}, seed=28,
+                     text_key="text")
+    outcome, failures = {"read": 0, "named": 0}, []
+    for i, (name, data) in enumerate(cases):
+        path = tmp_path / f"{i:03d}.jsonl"
+        path.write_bytes(data)
+        try:
+            check_sources({"books": DataSource(path=str(path))}, tmp_path / "cache")
+            outcome["read"] += 1
+        except ConfigError as e:
+            outcome["named"] += 1
+            message = str(e).removeprefix("pretrain.sources.books: ")
+            # a source with no document at all is about the whole source, not one line
+            if message != f"{path}: no document (every record is empty)" and (what := problem(message, path)):
+                failures.append(f"{name}: message {what}: {e}")
+        except BaseException:  # noqa: BLE001 - any other exception is what this test counts
+            failures.append(f"{name}: {traceback.format_exc(limit=-2)}")
+    assert not failures, f"{len(failures)} of {len(cases)} ({outcome}):\n" + "\n".join(failures[:20])
+    assert outcome["read"] >= 20 and outcome["named"] >= 100, outcome

@@ -155,3 +155,22 @@ def test_kill_9_mid_eval_then_resume_loses_and_repeats_nothing(k3_dir, tmp_path)
     assert after[:len(before)] == before
     keys = [(r["runner"], r["task_id"]) for r in after]
     assert len(keys) == len(set(keys)) == total
+
+
+def test_the_model_and_the_baselines_count_tokens_read_alike(first_run):
+    """`tokens_read` counts one thing for every runner: the conversation as the agent loop tokenises it (chat
+    template, generation prompts, tool results with their delimiters) less the assistant's own tokens. A runner
+    that answers at once (the closed book; the oracle in context) reads exactly the prompt the engine was given
+    for that task; the oracle behind search reads its results as well."""
+    rows = {(r["runner"], r["task_id"]): r for r in read_rows(first_run / "tasks.jsonl")}
+    models = [r for (runner, _), r in rows.items() if runner == "model"]
+    assert len(models) == 24
+    for model in models:
+        prompt, task_id = model["engine_prompt_tokens"], model["task_id"]
+        closed, oracle = rows["closed_book", task_id], rows["oracle", task_id]
+        assert closed["tool_calls"] == 0 and closed["tokens_read"] == prompt, (closed, prompt)
+        assert model["tokens_read"] >= prompt
+        if model["serve"] == "context":
+            assert oracle["tool_calls"] == 0 and oracle["tokens_read"] == prompt, (oracle, prompt)
+        else:
+            assert oracle["tool_calls"] >= 1 and oracle["tokens_read"] > prompt

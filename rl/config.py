@@ -439,7 +439,8 @@ class EvalConfig:
     batch_size: int = 8
     """`k3rl eval`: episodes per engine batch (and per resume point)."""
     depth_bins: int = 3
-    """`k3rl eval`: bins of evidence depth (position of the first evidence passage in the haystack) in the heatmaps."""
+    """`k3rl eval`: bins of evidence depth (position of a task's deepest evidence passage in the haystack) in the
+    heatmaps."""
     effective_ratio: float = 0.85
     """Effective length = the longest length whose success is ≥ this × the success at the shortest length."""
 

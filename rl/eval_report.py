@@ -2,8 +2,10 @@
 
 `aggregate` scores the task rows of each runner and cell with `rl.evaluate.score` (the one scorer: success
 with its Wilson interval, every reward component with its interval, tool calls) and bins success by
-evidence depth; `effective_length` is the longest length whose success stays ≥ a ratio of the success at
-the shortest length; `markdown` and `heatmap` render them; `write_results` writes results.json and results.md.
+evidence depth — the deepest evidence passage's (`bin_depth`: how far into the haystack the model must read
+to hold every fact the answer rests on; a multihop chain's hops sit at several depths); `effective_length`
+is the longest length whose success stays ≥ a ratio of the success at the shortest length; `markdown` and
+`heatmap` render them; `write_results` writes results.json and results.md.
 
 What is undefined is null in results.json, never NaN (which is not JSON): the success of a cell whose every
 task failed, a component's interval over one task (a spread of one sample).
@@ -42,8 +44,9 @@ def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> 
                          None if not ok else _success_key(ok))
         bins: list[list[int]] = [[0, 0] for _ in range(depth_bins)]
         for r in ok:
-            if r["depth"] is not None:
-                b = min(depth_bins - 1, int(r["depth"] * depth_bins))
+            depth = bin_depth(r)
+            if depth is not None:
+                b = min(depth_bins - 1, int(depth * depth_bins))
                 bins[b][0] += int(r["success"])
                 bins[b][1] += 1
         n = max(1, len(ok))
@@ -62,6 +65,15 @@ def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> 
                 "effective_length": effective_length([(c["length"], c["success"]) for c in group], ratio)}
                for (runner, family, serve), group in sorted(effective.items())]
     return {"cells": cells, "effective_lengths": lengths}
+
+
+def bin_depth(row: dict[str, Any]) -> Optional[float]:
+    """The depth a task row is binned by: its deepest evidence passage's (`depths`, in reading order); a row
+    written before `depths` existed has only its first one's (`depth`). None without evidence."""
+    depths = row.get("depths")
+    if depths is None:
+        return row.get("depth")
+    return max(depths) if depths else None
 
 
 def _finite(x: float) -> Optional[float]:

@@ -34,9 +34,10 @@ K3_MODEL_TYPES = ("k3rl_k3", "kimi_k3", "kimi_linear")
 def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics: dict, seconds: float,
              transcript: str, success_key: Optional[str], error: str = "", error_kind: str = "",
              **extra: Any) -> dict[str, Any]:
-    """One row of tasks.jsonl: the task, its cell and depth, `prompt_tokens` (the whole in-context prompt of its
-    haystack, the cell's measure), the reported reward components, success by the environment's rule (never for
-    an error row), tool calls, tokens read, wall time, the transcript, the error and its kind (`error_kind`:
+    """One row of tasks.jsonl: the task, its cell, its evidence depths (`depths`: every evidence passage's, in
+    reading order; `depth`: the first one's, null without evidence), `prompt_tokens` (the whole in-context
+    prompt of its haystack, the cell's measure), the reported reward components, success by the environment's
+    rule (never for an error row), tool calls, tokens read, wall time, the transcript, the error and its kind (`error_kind`:
     rl/endpoint_client.py's kinds, `context`, `engine` or `task`; a resume runs the transient ones again), for
     the model the first prompt the engine was given (`engine_prompt_tokens`: in context, the cell's prompt as
     rendered for that model), and a runner's `extra` fields (the endpoint's `reply_truncated`, `note`)."""
@@ -49,6 +50,7 @@ def task_row(runner: str, gt: "GridTask", reward: float, rewards: dict, metrics:
     ok = (not error) and is_success(Episode(reward, numeric), success_key)
     return {"runner": runner, "task_id": gt.task_id, "family": gt.cell.family, "serve": gt.cell.serve,
             "length": gt.cell.length, "task": gt.task, "depth": None if math.isnan(gt.depth) else gt.depth,
+            "depths": list(gt.depths),
             "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
             "tool_calls": float(metrics.get("tool_calls", 0.0)),
             "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),

@@ -3,8 +3,8 @@
 The grid: `eval.families` (envs/longctx/; `file`: the real tasks of `eval.tasks_file`) × `eval.serve` (in
 context, or behind the search tool over the same haystack) × `eval.context_lengths` (tokens of the in-context
 prompt, counted with the evaluated model's tokenizer), `eval.num_tasks` tasks per cell, deterministic in
-`eval.seed`. Each task also records its evidence depth (where the first evidence passage sits in the
-haystack, 0 = start).
+`eval.seed`. Each task also records its evidence depths (where each evidence passage sits in the haystack,
+0 = start; `depth` is the first one's, the heatmap bins by the deepest: rl/eval_report.py).
 
 Who is evaluated on the same tasks ("runners", rl/eval_runners.py): the model of `eval.model_path` on the
 engine of `rollout.engine` (k3rl's own or vLLM, greedy, the rollout limits of `rollout:`), or a served model
@@ -66,10 +66,17 @@ class GridTask:
     cell: Cell
     task_id: str
     task: dict[str, Any]
-    depth: float
-    """Position of the first evidence passage in the haystack, in [0, 1] (NaN when it has none: unanswerable)."""
+    depths: list[float]
+    """Position of every evidence passage in the haystack, in [0, 1], in reading order (`Instance.evidence_depths`;
+    empty when it has none: unanswerable)."""
     prompt_tokens: int
     """Tokens of the whole in-context prompt (chat template, system message with the tools, the user message)."""
+
+    @property
+    def depth(self) -> float:
+        """The first (shallowest) evidence passage's position (NaN when there is none): rows' `depth`, as before
+        `depths` was recorded."""
+        return self.depths[0] if self.depths else math.nan
 
 
 def scaffold_tokens(env: Any, tokenizer: Any) -> int:
@@ -159,10 +166,8 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
                         raise ConfigError(f"eval.context_lengths: cannot build {cell.name} task {i}: {e} (the cell's "
                                           f"{cell.length} tokens minus {scaffold} of chat template and system "
                                           f"message)") from None
-                    ids = [p for p, _ in inst.passages]
-                    first = min((ids.index(e) for e in inst.evidence if e in ids), default=None)
-                    depth = math.nan if first is None else first / max(1, len(ids) - 1)
-                    out.append(GridTask(cell, f"{cell.name}/{i}", task, depth, scaffold + int(inst.meta["tokens"])))
+                    out.append(GridTask(cell, f"{cell.name}/{i}", task, inst.evidence_depths(),
+                                        scaffold + int(inst.meta["tokens"])))
     return out
 
 

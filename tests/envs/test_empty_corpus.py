@@ -19,7 +19,7 @@ def corpus_of(tmp_path, name: str, data: bytes, suffix: str = ".jsonl"):
 
 @pytest.mark.parametrize("data", [b"", b"\n\n  \n"])
 def test_an_empty_file_is_named(tmp_path, data):
-    with pytest.raises(CorruptCorpusError, match=r"empty\.jsonl: the file is empty \(no documents\)"):
+    with pytest.raises(CorruptCorpusError, match=r"empty\.jsonl:1: the file is empty"):
         corpus_of(tmp_path, "empty", data)
 
 
@@ -33,3 +33,16 @@ def test_passages_without_a_word_to_index_are_named(tmp_path):
     with pytest.raises(CorruptCorpusError, match="none of its 1 passages"):
         SearchEnv(corpus=None).reset({"question": "Q?", "answers": ["x"],
                                       "passages": [{"id": "p", "title": "", "text": "of the"}]})
+
+
+@pytest.mark.parametrize("data, message", [
+    (b'{"text": "x", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", r"deep\.jsonl:1: nested too deeply"),
+    (b'{"text": "fine"}\n{"text": "x", "score": NaN}\n', r"deep\.jsonl:2: NaN is not a JSON number"),
+    (b'{"text": "fine"}\n\n{"text": 7}\n', r"deep\.jsonl:3: 'text' is int, not text"),
+    (b'[{"text": "fine"},\n {"body": "x"}]\n', r"deep\.jsonl:1: record 1: no 'text' field \(fields: body\)"),
+])
+def test_a_corpus_jsonl_is_read_strictly(tmp_path, data, message):
+    """Corpus JSONL is read by envs/jsonl.py: deep nesting (which crashed `datasets`' reader with a segmentation
+    fault), NaN and wrong types are named by line."""
+    with pytest.raises(CorruptCorpusError, match=message):
+        corpus_of(tmp_path, "deep", data)

@@ -11,8 +11,12 @@ Hugging Face directory with `model.init.init_model`, in the layout its config ch
 in any layout k3rl reads (the two released ones, k3rl's old `k3rl_k3` one) and writes it in the chosen layout
 (default: the one its config chooses), weights in the dtype they were saved in, the tokenizer copied (its own
 code, `tokenization_*.py`, only with `--trust-remote-code`: model/trust.py). Every file the source's index names
-must lie inside it, and a malformed index is refused by name (exit 2). `--quantize mxfp4`
-stores the routed experts in MXFP4, which is lossy (4-bit values, one shared power-of-two scale per 32).
+must lie inside it, and a malformed index is refused by name (exit 2). The source is verified as every load is
+(model/integrity.py): its `COMPLETE` manifest when it has one (a learner checkpoint `step-N/`, an SFT `model/`),
+shard set, shapes, dtypes, and NaN/inf weights, refused by tensor unless `--allow-nonfinite`. `--quantize mxfp4`
+stores the routed experts in MXFP4, which is lossy (4-bit values, one shared power-of-two scale per 32); a NaN/inf
+there is refused by tensor (it would make its group of 32 NaN) and a value beyond ≈2.98e38 is a warning (it
+decodes to inf).
 CONFIG is any recipe with a `model:` section, read by the job loader (`rl.config.load_model_config`:
 `base:` recipes, dotted overrides with or without the `model.` prefix). Both commands parse their
 arguments before importing torch.
@@ -97,8 +101,8 @@ def init_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4] [--trust-remote-code]: a K3 directory
-    in a released layout."""
+    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4] [--trust-remote-code]
+    [--allow-nonfinite]: a K3 directory in a released layout."""
     parser = argparse.ArgumentParser(prog="k3rl export", description=export_main.__doc__)
     parser.add_argument("src", help="K3 directory in any layout k3rl reads (kimi_linear, kimi_k3, old k3rl_k3)")
     parser.add_argument("dst", help="directory to create (must not exist or be empty)")
@@ -109,6 +113,9 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="copy the source's own tokenizer code (tokenization_*.py named by an auto_map); "
                              "without it such a source is refused")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="export weights holding NaN/inf anyway (refused by name without it; with --quantize "
+                             "mxfp4 each one's group of 32 is stored as NaN)")
     args = parser.parse_args(argv)
     if os.path.exists(args.dst) and os.listdir(args.dst):
         print(f"k3rl export: {args.dst} exists and is not empty", file=sys.stderr)
@@ -119,6 +126,7 @@ def export_main(argv: list[str]) -> int:
     import torch
 
     from model import hf_layout
+    from model.integrity import CheckpointError
     from model.trust import check_remote_code
 
     src, dst = Path(args.src), Path(args.dst)
@@ -135,12 +143,15 @@ def export_main(argv: list[str]) -> int:
         tokenizer = src if any(hf_layout.TOKENIZER_FILES.match(p.name) for p in src.iterdir()) else None
         if tokenizer is not None:
             check_remote_code(src, args.trust_remote_code, model=False)
-        model = hf_layout.load_model(src, dtype=dtype)
+        # verified first (model/integrity.py): its COMPLETE manifest when it has one, shard set, dtypes, finite values
+        model = hf_layout.load_model(src, dtype=dtype, allow_nonfinite=args.allow_nonfinite)
         tmp = dst.parent / f".{dst.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         hf_layout.save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
-                             trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
+                             trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite)
+    except (OSError, ValueError, CheckpointError) as e:
+        # a refused write (NaN in an MXFP4 tensor) leaves no half-written temporary directory behind
+        shutil.rmtree(dst.parent / f".{dst.name}.tmp", ignore_errors=True)
         print(f"k3rl export: {e}", file=sys.stderr)
         return 2
     if dst.exists():

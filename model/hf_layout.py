@@ -470,11 +470,11 @@ def _checked(directory: Path, model: Any, raw: Mapping[str, Any], tensors: dict[
     return tensors, weight_map
 
 
-def check_model_dir(directory: str | Path, allow_nonfinite: bool = False, override: str = integrity.OVERRIDE) -> None:
+def check_model_dir(directory: str | Path, allow_nonfinite: bool = False, hint: str = integrity.OVERRIDE) -> None:
     """Everything `load_model` checks (a non-K3 directory: manifest, shard set, finite values), reading one tensor
     at a time: for a driver before it hands the directory to workers or writes anything. Named errors:
     `CorruptCheckpointError`, `CheckpointError` / ValueError / FileNotFoundError (the file or tensor),
-    `NonFiniteWeightsError` (`override` says how to load them anyway; "" for commands that cannot)."""
+    `NonFiniteWeightsError` (`hint`: what the user can do about them, `integrity.TRAINING` for training)."""
     directory = Path(directory)
     integrity.verify_model_dir(directory)
     meta, bad = integrity.scan_weight_files(directory)
@@ -486,7 +486,7 @@ def check_model_dir(directory: str | Path, allow_nonfinite: bool = False, overri
             _checked(directory, model, raw, meta)
     else:
         integrity.check_shard_set(directory, _index_map(directory), side_files=(PATCH_FILE,))
-    integrity.refuse_nonfinite(bad, directory, allow_nonfinite, override)
+    integrity.refuse_nonfinite(bad, directory, allow_nonfinite, hint)
 
 
 def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -43,8 +43,10 @@ COMPLETE = "COMPLETE"
 _LOADED_FILES = re.compile(r".*\.(safetensors|json|py|bin|pt|pth|model|tiktoken|txt|jinja)$")
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 _SHOWN = 5
-OVERRIDE = "run.allow_nonfinite_weights=true (k3rl export: --allow-nonfinite)"
+OVERRIDE = "run.allow_nonfinite_weights=true (k3rl export: --allow-nonfinite) loads them anyway"
 """How a user loads non-finite weights anyway (evaluation and export; training refuses them regardless)."""
+TRAINING = "training cannot start from them (every step would be skipped)"
+"""What a training command says instead: no override helps there."""
 
 
 class CheckpointError(RuntimeError):
@@ -204,18 +206,18 @@ def nonfinite_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple
         return [(name, n) for name, t in tensors if (n := count_nonfinite(t))]
 
 
-def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = False, override: str = OVERRIDE) -> None:
-    """`NonFiniteWeightsError` naming `source` and the tensors of `bad` (name, count); with `allow`, a warning."""
+def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = False, hint: str = OVERRIDE) -> None:
+    """`NonFiniteWeightsError` naming `source` and the tensors of `bad` (name, count), then `hint` (what the user
+    can do); with `allow`, a warning."""
     if not bad:
         return
     shown = ", ".join(f"{name} ({n} value{'s' if n > 1 else ''})" for name, n in bad[:_SHOWN])
     more = f" and {len(bad) - _SHOWN} more tensors" if len(bad) > _SHOWN else ""
     what = f"{source}: non-finite weights (NaN or ±inf) in {len(bad)} tensor{'s' if len(bad) > 1 else ''}: {shown}{more}"
     if allow:
-        warnings.warn(f"{what}; loaded anyway ({override or 'allowed by the caller'})", UserWarning, stacklevel=3)
+        warnings.warn(f"{what}; loaded anyway", UserWarning, stacklevel=3)
         return
-    how = f"; {override} loads them anyway" if override else ""
-    raise NonFiniteWeightsError(what + how)
+    raise NonFiniteWeightsError(what + (f"; {hint}" if hint else ""))
 
 
 def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[tuple[str, int]]]:
@@ -271,5 +273,5 @@ def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], l
 
 
 __all__ = ["COMPLETE", "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "NonFiniteWeightsError", "OVERRIDE", "check_shard_set", "count_nonfinite", "file_manifest", "nonfinite_tensors",
+           "NonFiniteWeightsError", "OVERRIDE", "TRAINING", "check_shard_set", "count_nonfinite", "file_manifest", "nonfinite_tensors",
            "refuse_nonfinite", "scan_weight_files", "sha256_file", "verify", "verify_model_dir"]

@@ -210,6 +210,27 @@ class CheckpointManager:
         return removed
 
 
+def check_model_path(key: str, path: str | Path, *, trains: bool = False, allow_nonfinite: bool = False,
+                     weights: bool = True) -> None:
+    """A command's check of a model directory before any work (model/hf_layout.py `check_model_dir`: the manifest
+    when there is one, shard set, names, shapes, dtypes, finite values; one tensor in memory at a time): any
+    failure is a ConfigError naming `key`, the directory and the file or tensor, which the commands exit 2 with.
+
+    `trains`: the model is trained, so NaN/inf weights are refused whatever `allow_nonfinite` says. `weights=False`:
+    only the manifest (a directory used for its tokenizer)."""
+    from model import hf_layout, integrity
+    from rl.config import ConfigError
+
+    try:
+        if not weights:
+            integrity.verify_model_dir(path)
+            return
+        hf_layout.check_model_dir(path, allow_nonfinite=allow_nonfinite and not trains,
+                                  hint=integrity.TRAINING if trains else integrity.OVERRIDE)
+    except (OSError, ValueError, CheckpointError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states: python `random`, numpy's global, torch CPU, and every CUDA device."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -289,5 +310,5 @@ def load_trainer_state(directory: str | Path, restore_rng_state: bool = True) ->
 
 
 __all__ = ["COMPLETE", "CheckpointError", "CheckpointManager", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "LATEST", "atomic_dir", "capture_rng", "find_latest", "list_checkpoints", "load_trainer_state",
+           "LATEST", "atomic_dir", "capture_rng", "check_model_path", "find_latest", "list_checkpoints", "load_trainer_state",
            "mark_complete", "restore_rng", "save_trainer_state", "sha256_file", "step_dir_name", "verify"]

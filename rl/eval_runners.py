@@ -198,7 +198,8 @@ class ModelRunner:
 
             from model.policy import load_policy
 
-            self.policy = load_policy(model_path, torch.float32, cfg.run.device, trust_remote_code=trust)
+            self.policy = load_policy(model_path, torch.float32, cfg.run.device, trust_remote_code=trust,
+                                      allow_nonfinite=cfg.run.allow_nonfinite_weights)
             self.model = self.policy.model.eval()
             text = self.model.config.get_text_config()
             own = int(getattr(text, "max_position_embeddings", 0) or 0)

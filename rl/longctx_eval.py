@@ -122,6 +122,12 @@ def check(cfg: Any) -> None:
     if not 0 < ev.effective_ratio <= 1:
         raise ConfigError(f"eval.effective_ratio: in (0, 1], got {ev.effective_ratio}")
     check_evaluated(cfg)
+    if ev.model_path is not None:
+        from rl.checkpoint import check_model_path
+
+        # with an endpoint only its tokenizer is read; else every weight once (finite, shapes, manifest)
+        check_model_path("eval.model_path", ev.model_path, allow_nonfinite=cfg.run.allow_nonfinite_weights,
+                         weights=ev.endpoint is None)
 
 
 def env_kwargs(cfg: Any, cell: Cell, tokenizer: Any) -> dict[str, Any]:

@@ -132,6 +132,11 @@ def _check(cfg) -> None:
         raise ConfigError(f"sft.eval_tasks: must be ≥ 0, got {sft.eval_tasks}")
     if cfg.run.device not in ("cpu", "cuda"):
         raise ConfigError(f"run.device: `cpu` or `cuda`, got {cfg.run.device!r}")
+    if sft.model_dir is not None:
+        from rl.checkpoint import check_model_path
+
+        # last (it reads every weight once): manifest, files, shapes, dtypes, finite values, before anything is written
+        check_model_path("sft.model_dir", sft.model_dir, trains=True)
 
 
 def run_sft(cfg) -> Path:

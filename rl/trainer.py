@@ -305,6 +305,12 @@ class Trainer:
         if str(self.cfg.run.device).startswith("cuda") and (rl.learner_num_gpus <= 0 or self.cfg.rollout.num_gpus <= 0):
             raise ConfigError("run.device=cuda: set rl.learner_num_gpus and rollout.num_gpus (> 0; fractions share "
                               "a GPU) so that Ray gives the actors a GPU")
+        from rl.checkpoint import check_model_path
+
+        # last of the checks (it reads every weight once): here, not as a traceback from a Ray actor
+        check_model_path("rl.model_path", model_dir, trains=True)
+        if self.cfg.learner.ref_model_path:
+            check_model_path("learner.ref_model_path", self.cfg.learner.ref_model_path, trains=True)
 
     def _resume_point(self) -> Optional[Path]:
         from rl import checkpoint as ckpt

@@ -1,6 +1,7 @@
-"""An empty corpus is a named error: an empty or blank input file (which `datasets` reports as a bare
-`StopIteration`) and passages with no word to index (which the BM25 library reports as `max()` of an empty
-sequence) each name the file or corpus."""
+"""Corpus inputs are named errors: an empty or blank input file (which `datasets` reports as a bare
+`StopIteration`), passages with no word to index (which the BM25 library reports as `max()` of an empty
+sequence), and JSONL read strictly (deep nesting crashed `datasets`' reader) — each names the file and line or
+the corpus."""
 
 from __future__ import annotations
 

@@ -10,14 +10,18 @@ engine loaders) calls `verify_model_dir` first, so every load is checked, not on
   stages (`final/`) hold their model files beside their own `COMPLETE`; a directory without one whose PARENT's
   manifest lists files under it (`<parent>/COMPLETE` naming `<dir>/…`) is verified against those entries. A file
   a loader reads (weights, JSON, code, tokenizer) that the manifest does not list was added after the save and is
-  refused too. Cost: one SHA-256 pass over the bytes, measured on the 2-core CI box at ~1.7 s per GB (files in
-  the page cache; a cold disk adds its read time). A directory is hashed once per process: later loads of the
-  same directory with the same file sizes and modification times reuse the result.
-- **Without a manifest** (a released-layout directory from elsewhere) nothing says what the bytes should be, so
-  the loaders check what can be checked: the index's shard set equals the `*.safetensors` files beside it
-  (`check_shard_set`), every tensor's name, shape and dtype against config.json (model/hf_layout.py
-  `_check_tensors`), safetensors headers that parse and data of the size they declare, and finite values
-  (`nonfinite_tensors`: every floating tensor is scanned in full, ~0.25 s per GB of float32 on the CI box).
+  refused too. Cost: one SHA-256 pass over every listed file (a learner checkpoint's optimizer state included),
+  measured at 0.9 s per GB on the 2-core CI box (files in the page cache; a cold disk adds its read time). A
+  directory is hashed once per process: later loads of the same directory with the same file sizes and
+  modification times reuse the result (the tokenizer, the policy and a reference model share one pass).
+- **Every directory**, with a manifest or without, is then checked for what can be checked — for one without a
+  manifest (a released-layout directory from elsewhere) that is all there is, as nothing says what its bytes
+  should be: the index's shard set equals the `*.safetensors` files beside it (`check_shard_set`), every
+  tensor's name, shape and dtype against config.json (model/hf_layout.py `_check_tensors`, `_check_dtypes`;
+  K3 directories), safetensors headers that parse and data of the size they declare, and finite values
+  (`nonfinite_tensors`: every floating tensor is scanned in full, one min/max pass, 0.2–0.3 s per GB of float32
+  or bfloat16 on the CI box; the drivers' streaming `scan_weight_files` reads and scans at ~0.2 s per GB from
+  the page cache).
   A flipped data byte is caught when it makes a value NaN/±inf (an exponent byte turned all-ones) and missed when
   it makes another finite value: most single-bit flips of a mantissa or sign, or of an exponent bit that keeps
   the exponent below all-ones, go unnoticed. Only a manifest detects those.

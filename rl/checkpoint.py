@@ -25,7 +25,8 @@ loses nothing) and ignores temp, trash and manifest-less directories. `verify` c
 against the files on disk — size and content hash of every file (manifests written before hashes
 existed are checked by size) — so a flipped byte anywhere is a `CorruptCheckpointError` naming the
 file. The manifest, `verify` and the errors live in model/integrity.py (re-exported here), because every load of a
-model directory verifies it, not only a resume. A newest checkpoint that does not verify is skipped for the newest one that does only when the
+model directory verifies it, not only a resume; `check_model_path` is the commands' check of a model directory
+before any work (manifest, files, shapes, dtypes, finite weights), a ConfigError naming the key. A newest checkpoint that does not verify is skipped for the newest one that does only when the
 caller asks (`find_latest(root, on_corrupt=…)`, which is told what was skipped, so the run can say
 it is going back a few steps); by default it raises.
 

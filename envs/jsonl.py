@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from itertools import chain
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,6 +23,9 @@ MAX_DEPTH = 100
 
 _BOMS = {b"\xef\xbb\xbf": "UTF-8 with a byte-order mark", b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32",
          b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class JsonlError(ValueError):
@@ -90,10 +94,13 @@ def parse_line(where: str, line: str) -> Any:
     depth = _depth(value)
     if depth > MAX_DEPTH:
         raise JsonlError(f"{where}: nested {depth} levels deep (at most {MAX_DEPTH})")
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise JsonlError(f"{where}: a string holds a lone surrogate ({e.object[e.start]!r}), which is not text") from None
+    # a lone surrogate can only come from a \uD800–\uDFFF escape (raw surrogate bytes are not UTF-8)
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise JsonlError(f"{where}: a string holds a lone surrogate ({e.object[e.start]!r}), which is not "
+                             f"text") from None
     return value
 
 

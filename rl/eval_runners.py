@@ -332,8 +332,8 @@ class ChatPolicy:
         """Tokens the model read, each once (the prompt and the tool results, as the native engine counts them),
         and a note when they are not the server's: the last turn's prompt less the replies before it, from the
         server's usage when that is a consistent count — integers, prompts > 0 that never shrink, a total within
-        [own / 2, 2 × own + 256] of `own` (the tokenizer's count of the same messages, without the chat
-        template) — else `own`, with a note saying why."""
+        [own / 2, 2 × own + 256] of `own` (the row's own count: `tokens_read` of the episode's messages with the
+        evaluated model's tokenizer) — else `own`, with a note saying why."""
         usage = self.usage
         if not usage or any(u is None for u in usage):
             return own, "the server reported no usage: tokens_read is the tokenizer's count"
@@ -462,7 +462,7 @@ class EndpointRunner:
                 env = envs.make(gt.cell.family, **kwargs)
                 budget = Budget(**{**vars(env.budget), "max_turns": self.cfg.rollout.max_turns})
                 result = run_episode(env, gt.task, policy, budget, count)
-                own = sum(count(m["content"]) for m in result.messages if m["role"] != "assistant")
+                own = tokens_read(result.messages, self.tokenizer)
         except EndpointError as e:  # after the retries: this task's error row, with the kind a resume reads
             return task_row(self.name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
                             error=f"{type(e).__name__}: {e}", error_kind=e.kind)

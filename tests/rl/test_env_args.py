@@ -51,3 +51,14 @@ def test_k3rl_sft_refuses_before_the_run_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "k3rl sft: env.args: environment 'needle' does not take these arguments" in err and BAD_ASK in err, err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_k3rl_eval_names_the_argument(k3_dir, tmp_path, capsys):
+    from rl.cli import main
+
+    argv = ["eval", str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={tmp_path / 'runs'}", "run.name=ask",
+            f"eval.model_path={k3_dir}", "eval.families=[needle]", "env.name=needle", "env.args.ask=size"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "k3rl eval: env.args: environment 'needle' does not take these arguments" in err and BAD_ASK in err, err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()

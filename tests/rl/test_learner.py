@@ -164,7 +164,8 @@ def test_nonfinite_batch_is_skipped(tiny_qwen3_dir, qwen_batch, poison):
 
 
 def test_nonfinite_weights_at_load_refuse_to_start(tmp_path, tiny_qwen3_dir):
-    """A NaN in the loaded weights would make every step skip, forever: the learner refuses, naming it."""
+    """A NaN in the loaded weights would make every step skip, forever: the learner refuses, naming it (its loader,
+    model/policy.py `load_policy`, refuses first: model/integrity.py)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -175,7 +176,7 @@ def test_nonfinite_weights_at_load_refuse_to_start(tmp_path, tiny_qwen3_dir):
     name = sorted(k for k in tensors if k.endswith("q_proj.weight"))[0]
     tensors[name][0, 0] = float("nan")
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=f"non-finite weights in 1 parameter tensor.*{name}.*refuses to start"):
+    with pytest.raises(ValueError, match=rf"{d}: non-finite weights \(NaN or ±inf\) in 1 tensor: {name} \(1 value\)"):
         Learner(qwen_cfg(d))
 
 

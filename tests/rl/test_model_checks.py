@@ -23,7 +23,7 @@ TENSOR = "language_model.lm_head.weight"  # the tiny recipe writes the kimi_k3 l
 @pytest.fixture(scope="module")
 def broken(k3_dir, tmp_path_factory) -> dict[str, Path]:
     """Copies of the tiny K3 (with tokenizer): a learner checkpoint with one flipped byte, a NaN weight, a
-    truncated shard, a tensor of the wrong shape."""
+    truncated shard, a tensor of the wrong shape, a missing shard."""
     root = tmp_path_factory.mktemp("broken")
     with ckpt.CheckpointManager(root / "checkpoints").begin(5) as tmp:
         shutil.copytree(k3_dir, tmp, dirs_exist_ok=True)
@@ -45,13 +45,16 @@ def broken(k3_dir, tmp_path_factory) -> dict[str, Path]:
         if kind == "truncated":
             (d / SHARD).write_bytes((d / SHARD).read_bytes()[:-64])
         out[kind] = d
+    out["missing"] = shutil.copytree(k3_dir, root / "missing")
+    (out["missing"] / SHARD).unlink()
     return out
 
 
 EXPECTED = {"flipped": f"{SHARD} does not match its content hash in the manifest",
             "nan": f"non-finite weights (NaN or ±inf) in 1 tensor: {TENSOR} in {SHARD} (3 values)",
             "truncated": f"{SHARD}: not a readable safetensors file",
-            "shape": f"tensor {TENSOR} in {SHARD} has shape"}
+            "shape": f"tensor {TENSOR} in {SHARD} has shape",
+            "missing": f"{SHARD} is listed in model.safetensors.index.json but missing"}
 
 
 def eval_args(out: Path, model: Path, *extra: str) -> list[str]:
@@ -80,7 +83,7 @@ def train_config(tmp_path: Path, model: Path) -> list[str]:
             f"eval.tasks_path={tasks}", "env.args={corpus: null}", "rollout.num_workers=1"]
 
 
-@pytest.mark.parametrize("kind", ["flipped", "nan", "truncated", "shape"])
+@pytest.mark.parametrize("kind", ["flipped", "nan", "truncated", "shape", "missing"])
 def test_train_refuses_by_name_before_ray(broken, tmp_path, kind):
     import ray
 
@@ -104,7 +107,7 @@ def sft_job(tmp_path: Path, model: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["flipped", "nan", "truncated", "shape"])
+@pytest.mark.parametrize("kind", ["flipped", "nan", "truncated", "shape", "missing"])
 def test_sft_refuses_by_name_before_writing(broken, tmp_path, kind):
     from rl.sft import main
 

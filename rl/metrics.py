@@ -11,7 +11,8 @@ Resuming (`resume_step=k`): `metrics.jsonl` is rewritten (temp file + rename) ke
 lines of steps ≤ k, the steps the checkpoint covers, and dropping a line torn by a crash; the
 TensorBoard writer purges events after step k. The resumed run then appends steps k+1, k+2, …,
 so the file never holds a step twice and never skips one. `resume_step=-1` (resume asked, no
-checkpoint yet) keeps nothing.
+checkpoint yet) keeps nothing. A step is one row: `log` refuses a step at or below the last one written
+(a caller that measures twice at one step merges the measurements into that step's row).
 
 `plot(run_dir)` reads `metrics.jsonl` and writes PNG curves into `run_dir/plots` (matplotlib,
 Agg backend): reward, training success, held-out success with its 95% Wilson band, KL (mismatch
@@ -95,8 +96,9 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        self._last: Optional[int] = None
         if resume_step is not None:
-            self._keep_through(resume_step)
+            self._last = self._keep_through(resume_step)
         start = max(resume_step or 0, 0)
         purge = None if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
@@ -108,7 +110,8 @@ class MetricsLogger:
         self.progress.start()
         self._file = open(self.path, "a")
 
-    def _keep_through(self, step: int) -> None:
+    def _keep_through(self, step: int) -> Optional[int]:
+        """Rewrite metrics.jsonl with the rows of steps ≤ `step` only; the last step kept (None if none)."""
         rows = [r for r in read_metrics(self.run_dir) if r["step"] <= step]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with open(tmp, "w") as f:
@@ -117,9 +120,14 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        return max((r["step"] for r in rows), default=None)
 
     def log(self, step: int, scalars: Mapping[str, float], extra: Optional[Mapping[str, Any]] = None) -> None:
-        """Write one step: scalars to every sink, `extra` (JSON-serialisable) to metrics.jsonl only."""
+        """Write one step: scalars to every sink, `extra` (JSON-serialisable) to metrics.jsonl only. Steps
+        increase: a step at or below the last one written is a ValueError (it would be a second row)."""
+        if self._last is not None and int(step) <= self._last:
+            raise ValueError(f"{self.path}: step {step} logged after step {self._last}; each step is one row")
+        self._last = int(step)
         row = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: float(v) for k, v in scalars.items()})
         row.update(extra or {})

@@ -15,8 +15,8 @@ Each stage starts from the previous stage's final checkpoint (its weights, and i
 says `optimizer: keep`), with its own RoPE base on the MLA layers (RoPE models only). The run directory
 `run.output_dir/run.name/` holds `config.yaml`, `climb.json` (what decides the data and the weights: a resumed run
 must match it), `plan.txt`, and per stage `stageN-LEN/`: `checkpoints/` (every `pretrain.save_every` steps, atomic,
-the newest `keep_checkpoints` kept), `metrics.jsonl` + `tb/` (loss, tokens/s, grad norm, MaxVio per MoE layer, the
-step's data digest), `loss.png`, `heldout.json` (loss by position at the stage's start and end), `final/` (the
+the newest `keep_checkpoints` kept), `metrics.jsonl` + `tb/` (one row per step: loss, tokens/s, grad norm, MaxVio
+per MoE layer, the step's data digest; the held-out loss by position in step 0's row and the last step's), `loss.png`, `heldout.json` (loss by position at the stage's start and end), `final/` (the
 stage's model: an HF directory with tokenizer and optimizer state), `eval/` (the retrieval grid). At the top:
 `position_loss.png`, `score_by_length.png` and `summary.json`.
 
@@ -210,10 +210,15 @@ class Climb:
         `optimizer: keep` (the stage's own learning rate, schedule, RoPE base and step 0 either way)."""
         learner = self.make_learner(index, Path(latest) if latest else previous or self.start_model())
         if latest is not None:
+            from rl import checkpoint as ckpt
+
             learner.load(latest)
+            # the checkpoint's step, not the learner's version: a skipped step (non-finite loss) took a batch of
+            # data without an update, so the version can lag the steps the checkpoint covers
+            step = int(json.loads((Path(latest) / ckpt.COMPLETE).read_text())["step"])
             print(f"{st.stage_dir(self.run_dir, index, self.cfg.pretrain.stages[index]).name}: resuming at step "
-                  f"{learner.version} from {latest}", flush=True)
-            return learner, learner.version
+                  f"{step} from {latest}", flush=True)
+            return learner, step
         if previous is not None and str(self.cfg.pretrain.stages[index].optimizer) == "keep":
             learner.load_optimizer(previous)
         return learner, 0
@@ -256,7 +261,7 @@ class Climb:
             return {f"heldout/nll_{bucket_name(*b)}": v for b, v in zip(curve.get("buckets", []), curve.get("nll", []))}
 
         sdir.mkdir(parents=True, exist_ok=True)
-        # rows after the step the stage (re)starts from belong to a run that died: cut them
+        # rows after the step the stage (re)starts from belong to a run that died: cut them (one row per step)
         logger = MetricsLogger(sdir, total_steps=steps, resume_step=start, label=sdir.name, headline=PRETRAIN_HEADLINE)
         try:
             if "start" not in heldout and start == 0:
@@ -265,7 +270,9 @@ class Climb:
                 batch = [r.trajectory() for r in data.batch(step, rows)]
                 metrics = learner.train_step(batch)
                 scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "skip_reason"}
-                if pre.heldout_every and (step + 1) % pre.heldout_every == 0 and step + 1 < steps:
+                if step + 1 == steps:  # the end measurement joins the last step's row (measured again on a resume)
+                    scalars.update(measure("end", steps))
+                elif pre.heldout_every and (step + 1) % pre.heldout_every == 0:
                     scalars.update(measure(f"step{step + 1}", step + 1))
                 if (step + 1) % pre.log_every == 0 or step + 1 == steps:
                     logger.log(step + 1, scalars, {"data": data.digest(step, rows), "stage": sdir.name,
@@ -273,8 +280,6 @@ class Climb:
                 if (step + 1) % pre.save_every == 0 and step + 1 < steps:
                     with manager.begin(step + 1) as tmp:
                         learner.save_into(tmp)
-            if "end" not in heldout:
-                logger.log(steps, measure("end", steps))
         finally:
             logger.close()
         with ckpt.atomic_dir(final, step=steps) as tmp:

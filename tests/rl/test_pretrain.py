@@ -260,10 +260,18 @@ def test_resume_after_kill9_mid_stage_keeps_the_data_order(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "stage1-256: finished earlier" in resumed.stdout and "stage2-1K: resuming at step" in resumed.stdout
 
+    from rl.metrics import read_metrics
+
     for name in ("stage1-256", "stage2-1K"):
         a, b = metrics(runs / "whole" / name), metrics(runs / "killed" / name)
         assert [(r["step"], r["data"]) for r in a] == [(r["step"], r["data"]) for r in b], name
         assert [r["step"] for r in b] == [1, 2, 3, 4]  # no step repeated or skipped
+        # one row per step, the held-out start (step 0) and end (the last step's row) included
+        for run in ("whole", "killed"):
+            rows = read_metrics(runs / run / name)
+            assert [r["step"] for r in rows] == [0, 1, 2, 3, 4], (run, name)
+            for row in (rows[0], rows[-1]):
+                assert any(k.startswith("heldout/nll_") for k in row), (run, name, row["step"])
         for x, y in zip(a, b):
             assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), (name, x["step"])
     wa = read_state_dict(runs / "whole/stage2-1K/final")

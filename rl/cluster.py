@@ -105,8 +105,12 @@ def init_ray(ray_cfg, log_to_driver: bool = True, py_modules: Sequence[str | Pat
               f"(pids {', '.join(map(str, reaped[:8]))})", file=sys.stderr)
     ctx = ray.init(num_cpus=ray_cfg.num_cpus, include_dashboard=ray_cfg.include_dashboard,
                    log_to_driver=log_to_driver, configure_logging=False, runtime_env=env)
-    start_watchdog(ray._private.worker._global_node.get_session_dir_path())
+    _watchdogs.append(start_watchdog(ray._private.worker._global_node.get_session_dir_path()))
     return ctx
+
+
+_watchdogs: list = []
+"""The watchdogs this process started (held so that Python does not warn about a running child it dropped)."""
 
 
 def start_watchdog(session_dir: str) -> "subprocess.Popen":

@@ -649,6 +649,6 @@ def kimi_k3_config_registered() -> Iterator[None]:
 
 __all__ = ["CONFIG_FILE", "CheckpointError", "INDEX_FILE", "LAYOUTS", "MODEL_TYPES", "OLD_MODEL_TYPE", "PATCH_FILE",
            "TOKENIZER_FILES", "check_model_dir", "config_from_dict", "copy_tokenizer", "from_released_names",
-           "is_k3_dir", "kimi_k3_config_registered", "layout_for", "load_model", "model_type_of", "native_weights", "raw_config",
-           "read_config", "read_released", "read_state_dict", "released_config", "save_model", "save_state_dict",
-           "text_config_dict", "to_released_names"]
+           "is_k3_dir", "kimi_k3_config_registered", "layout_for", "load_model", "model_type_of", "native_weights",
+           "raw_config", "read_config", "read_released", "read_state_dict", "released_config", "save_model",
+           "save_state_dict", "text_config_dict", "to_released_names"]

@@ -187,7 +187,8 @@ def check_shard_set(directory: str | Path, weight_map: Optional[dict[str, str]],
         raise ValueError(f"{directory}: {', '.join(stray)} not named by model.safetensors.index.json (a leftover "
                          f"of another save, or added); the index's shards must be the directory's weight files")
     numbered = sorted((int(m[1]), int(m[2])) for m in map(_SHARD.match, named) if m)
-    if numbered and (len({n for _, n in numbered}) > 1 or [k for k, _ in numbered] != list(range(1, numbered[0][1] + 1))):
+    counts = list(range(1, numbered[0][1] + 1)) if numbered else []
+    if numbered and (len({n for _, n in numbered}) > 1 or [k for k, _ in numbered] != counts):
         have = ", ".join(f"{k}-of-{n}" for k, n in numbered)
         raise ValueError(f"{directory}: model.safetensors.index.json names shards {have}, not 1…n of one n "
                          f"(a shard left out of the index?)")
@@ -217,7 +218,8 @@ def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = Fals
         return
     shown = ", ".join(f"{name} ({n} value{'s' if n > 1 else ''})" for name, n in bad[:_SHOWN])
     more = f" and {len(bad) - _SHOWN} more tensors" if len(bad) > _SHOWN else ""
-    what = f"{source}: non-finite weights (NaN or ±inf) in {len(bad)} tensor{'s' if len(bad) > 1 else ''}: {shown}{more}"
+    tensors = f"{len(bad)} tensor{'s' if len(bad) > 1 else ''}"
+    what = f"{source}: non-finite weights (NaN or ±inf) in {tensors}: {shown}{more}"
     if allow:
         warnings.warn(f"{what}; loaded anyway", UserWarning, stacklevel=3)
         return
@@ -277,5 +279,5 @@ def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], l
 
 
 __all__ = ["COMPLETE", "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "NonFiniteWeightsError", "OVERRIDE", "TRAINING", "check_shard_set", "count_nonfinite", "file_manifest", "nonfinite_tensors",
-           "refuse_nonfinite", "scan_weight_files", "sha256_file", "verify", "verify_model_dir"]
+           "NonFiniteWeightsError", "OVERRIDE", "TRAINING", "check_shard_set", "count_nonfinite", "file_manifest",
+           "nonfinite_tensors", "refuse_nonfinite", "scan_weight_files", "sha256_file", "verify", "verify_model_dir"]

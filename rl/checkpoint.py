@@ -26,7 +26,8 @@ against the files on disk — size and content hash of every file (manifests wri
 existed are checked by size) — so a flipped byte anywhere is a `CorruptCheckpointError` naming the
 file. The manifest, `verify` and the errors live in model/integrity.py (re-exported here), because every load of a
 model directory verifies it, not only a resume; `check_model_path` is the commands' check of a model directory
-before any work (manifest, files, shapes, dtypes, finite weights), a ConfigError naming the key. A newest checkpoint that does not verify is skipped for the newest one that does only when the
+before any work (manifest, files, shapes, dtypes, finite weights), a ConfigError naming the key. A newest
+checkpoint that does not verify is skipped for the newest one that does only when the
 caller asks (`find_latest(root, on_corrupt=…)`, which is told what was skipped, so the run can say
 it is going back a few steps); by default it raises.
 
@@ -311,5 +312,6 @@ def load_trainer_state(directory: str | Path, restore_rng_state: bool = True) ->
 
 
 __all__ = ["COMPLETE", "CheckpointError", "CheckpointManager", "CorruptCheckpointError", "IncompleteCheckpointError",
-           "LATEST", "atomic_dir", "capture_rng", "check_model_path", "find_latest", "list_checkpoints", "load_trainer_state",
+           "LATEST", "atomic_dir", "capture_rng", "check_model_path", "find_latest", "list_checkpoints",
+           "load_trainer_state",
            "mark_complete", "restore_rng", "save_trainer_state", "sha256_file", "step_dir_name", "verify"]

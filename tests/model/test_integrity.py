@@ -184,7 +184,8 @@ def test_hf_model_with_nan_is_refused_by_load_policy(tiny_qwen3_dir, tmp_path):
     bad = copy(tiny_qwen3_dir, tmp_path / "qwen")
     name = next(iter(load_file(bad / "model.safetensors")))
     tensors = load_file(bad / "model.safetensors")
-    tensors[name] = tensors[name].clone().view(-1).index_fill_(0, torch.tensor([0]), float("nan")).view_as(tensors[name])
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(integrity.NonFiniteWeightsError, match=f"{name} \\(1 value\\)"):
         load_policy(bad)

@@ -126,3 +126,15 @@ def test_sft_exits_2_with_the_named_error(broken, tmp_path, capsys):
 
 def test_a_clean_directory_passes(k3_dir):
     ckpt.check_model_path("rl.model_path", k3_dir, trains=True)
+
+
+@pytest.mark.parametrize("kind", ["flipped", "nan"])
+def test_pretrain_refuses_its_start_model_by_name(broken, tmp_path, capsys, kind):
+    from rl.cli import main
+    from test_pretrain import climb_config
+
+    config = climb_config(tmp_path, "m")
+    assert main(["pretrain", str(config), f"pretrain.model_dir={broken[kind]}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"k3rl pretrain: pretrain.model_dir: {broken[kind]}") and EXPECTED[kind] in err
+    assert not (tmp_path / "runs/m").exists()

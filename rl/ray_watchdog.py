@@ -6,9 +6,10 @@ Ray 2.60, still alive minutes later and deaf to SIGTERM. `rl.cluster.init_ray` s
 process of its own (its own session, so a signal to the driver's process group spares it) right after a
 LOCAL cluster is up; it never runs for a cluster joined with `ray.address`.
 
-It waits for its parent (the driver) to exit; then every process of this user holding a file under the
+It waits for its parent (the driver) to exit; then every process of this user writing to a file under the
 run's Ray session directory (the `/tmp/ray/session_…` Ray made for this `ray.init`) is that run's: the GCS,
-raylet, agents, workers and anything they spawned all keep their logs there, and no other run writes there.
+raylet, agents, workers and anything they spawned all write their logs there, and no other run writes there
+(a reader, say `tail -f` on a log, is not one of them).
 Those are sent SIGTERM, and SIGKILL after a short grace. If the raylet exits while the driver lives
 (`ray.shutdown()`: Ray stops its own processes), the watchdog just exits. It imports psutil only and looks
 twice a second whether its parent is still the driver. Whatever it stopped is written to
@@ -33,7 +34,7 @@ POLL_S = 0.5
 
 
 def session_processes(session_dir: str | Path, exclude: tuple[int, ...] = ()) -> list[psutil.Process]:
-    """This user's processes (other than `exclude`) holding an open file under `session_dir`."""
+    """This user's processes (other than `exclude`) with a file under `session_dir` open for writing."""
     root = os.path.realpath(session_dir) + os.sep
     me = os.getuid()
     found = []
@@ -41,7 +42,7 @@ def session_processes(session_dir: str | Path, exclude: tuple[int, ...] = ()) ->
         if p.pid in exclude or p.info["uids"] is None or p.info["uids"].real != me:
             continue
         try:
-            if any(f.path.startswith(root) for f in p.open_files()):
+            if any(f.path.startswith(root) and getattr(f, "mode", "w") != "r" for f in p.open_files()):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -68,6 +68,13 @@ def stop(procs: list[psutil.Process], grace_s: float = GRACE_S) -> list[psutil.P
     return signalled
 
 
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
+
 def _alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -78,7 +85,7 @@ def _alive(p: psutil.Process) -> bool:
 def watch(session_dir: str, driver: int, poll_s: float = POLL_S) -> list[psutil.Process]:
     """Wait while `driver` is this process's parent; once it is gone, stop the session's processes and return
     them. Returns [] without stopping anything if the session's raylet exits first (`ray.shutdown()`)."""
-    raylet = next((p for p in session_processes(session_dir, exclude=(os.getpid(), driver)) if p.name() == "raylet"),
+    raylet = next((p for p in session_processes(session_dir, exclude=(os.getpid(), driver)) if _name(p) == "raylet"),
                   None)
     # the parent, not the pid, is watched: a dead driver's pid may be reused, the parent link is not
     while os.getppid() == driver:

@@ -138,3 +138,12 @@ def test_pretrain_refuses_its_start_model_by_name(broken, tmp_path, capsys, kind
     err = capsys.readouterr().err
     assert err.startswith(f"k3rl pretrain: pretrain.model_dir: {broken[kind]}") and EXPECTED[kind] in err
     assert not (tmp_path / "runs/m").exists()
+
+
+def test_eval_loads_nan_weights_when_allowed(broken, tmp_path):
+    from rl.longctx_eval import main
+
+    with pytest.warns(UserWarning, match=f"{TENSOR} in {SHARD} \\(3 values\\); loaded anyway"):
+        assert main(eval_args(tmp_path, broken["nan"], "run.allow_nonfinite_weights=true", "eval.baselines=[]",
+                              "rollout.max_new_tokens=4", "rollout.max_turns=1")) == 0
+    assert (tmp_path / "e" / "results.json").is_file()

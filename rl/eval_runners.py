@@ -106,6 +106,10 @@ def check_evaluated(cfg: Any) -> None:
         if ev.model_path is not None and not _has_tokenizer(Path(ev.model_path)):
             raise ConfigError(f"eval.model_path: {ev.model_path} has no tokenizer (with eval.endpoint only its "
                               f"tokenizer is used: it counts the context lengths)")
+        if ev.model_path is not None:
+            from rl.config import check_model_code
+
+            check_model_code(cfg, "eval.model_path", ev.model_path, model=False)
         return
     if ev.model_path is None:
         raise ConfigError("eval.model_path: set the HF model directory to evaluate (`k3rl init`, `k3rl sft`, a "

@@ -134,7 +134,7 @@ def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
 def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
     from rl import pretrain, sft
     from rl.config import ConfigError, JobConfig, load_config
-    from rl.eval_runners import ModelRunner
+    from rl.eval_runners import ModelRunner, check_evaluated
     from rl.trainer import Trainer
 
     d, markers = evil
@@ -151,6 +151,8 @@ def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
         pretrain.check(job(f"pretrain.model_dir={d}"))
     with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):
         ModelRunner(job(f"eval.model_path={d}"), str(d))
+    with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):
+        check_evaluated(job("eval.endpoint=http://127.0.0.1:9/v1", f"eval.model_path={d}"))
     assert ran(markers) == [] and not runs.exists()
 
 

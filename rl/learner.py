@@ -107,6 +107,16 @@ SHARDED_META = "sharded_learner.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+def _load_optimizer_file(path: Path, device: Any) -> dict:
+    """`optimizer.pt` read as tensors and plain values only (`weights_only`): a checkpoint handed over from
+    another run (`load_optimizer`) or downloaded is untrusted, and a full unpickler would run any code it names.
+    Checkpoints written before the optimizer name was saved as a plain string hold the `Optimizer` enum."""
+    from rl.config import Optimizer
+
+    with torch.serialization.safe_globals([Optimizer]):
+        return torch.load(path, map_location=device, weights_only=True)
+
+
 @dataclass
 class LearnerConfig(LearnerSettings):
     """Everything one learner rank needs: the job's `learner:` section (rl/config.py `LearnerSettings`:
@@ -589,7 +599,7 @@ class Learner:
                 self.model.save_pretrained(directory, safe_serialization=True)
                 self._save_tokenizer(directory)
             torch.save({"version": self.version, "optimizers": [o.state_dict() for o in self.optimizers],
-                        "world_size": self.world_size, "optimizer": self.cfg.optimizer},
+                        "world_size": self.world_size, "optimizer": str(self.cfg.optimizer)},
                        directory / OPTIMIZER_FILE)
         torch.save(ckpt.capture_rng(), directory / f"rng-rank{self.rank:05d}.pt")
 
@@ -617,7 +627,7 @@ class Learner:
             raise ckpt.CheckpointError(f"{path}: taking another run's optimizer moments is not implemented for sharded "
                                        f"learners (learner.expert_parallel / learner.fsdp); reset them instead")
         try:
-            state = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
+            state = _load_optimizer_file(path / OPTIMIZER_FILE, self.device)
         except Exception as e:
             raise ckpt.CorruptCheckpointError(f"{path}: cannot read {OPTIMIZER_FILE} ({type(e).__name__}: {e})") from e
         self._load_optimizer_state(path, state)
@@ -694,7 +704,7 @@ class Learner:
                 for file in sorted(path.glob("*.safetensors")):
                     weights.update(load_file(file))
                 weights = stack_experts(weights)
-            state = torch.load(opt_file, map_location=self.device, weights_only=False)
+            state = _load_optimizer_file(opt_file, self.device)
         except Exception as e:  # truncated or foreign files: name the checkpoint
             raise ckpt.CorruptCheckpointError(f"{path}: cannot read the learner state ({type(e).__name__}: {e})") from e
         model_state = self.model.state_dict()

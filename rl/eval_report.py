@@ -143,8 +143,8 @@ def heatmap(result: dict[str, Any], runners: Sequence[str], path: Path, depth_bi
     lengths = sorted({c["length"] for c in result["cells"]})
     fig, axes = plt.subplots(len(runners), len(panels), figsize=(3.2 * len(panels) + 1.2, 2.6 * len(runners) + 0.4),
                              squeeze=False)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#e8e8e8")  # no task of the cell fell in that depth bin
+    # grey: no task of the cell fell in that depth bin
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#e8e8e8")
     im = None
     for row, runner in enumerate(runners):
         for col, (family, serve) in enumerate(panels):

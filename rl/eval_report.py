@@ -56,7 +56,8 @@ def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> 
                       "components": {k: [_finite(x) for x in v] for k, v in s.components.items()},
                       "tool_calls": s.tool_calls,
                       "prompt_tokens": sum(r["prompt_tokens"] for r in ok) / n,
-                      "tokens_read": sum(r["tokens_read"] for r in ok) / n, "seconds": sum(r["seconds"] for r in ok) / n,
+                      "tokens_read": sum(r["tokens_read"] for r in ok) / n,
+                      "seconds": sum(r["seconds"] for r in ok) / n,
                       "by_depth": [{"successes": k, "tasks": m} for k, m in bins]})
     effective = {}
     for c in cells:

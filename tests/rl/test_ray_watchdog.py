@@ -1,5 +1,6 @@
 """rl/ray_watchdog.py without Ray: a fake session directory, a "driver" that starts the watchdog and dies, a member
-writing a log there (stopped) and a reader of that log (left alone). The real cluster: tests/smoke/test_ray_hygiene.py."""
+writing a log there (stopped) and a reader of that log (left alone). With a real cluster:
+tests/smoke/test_ray_hygiene.py."""
 
 from __future__ import annotations
 

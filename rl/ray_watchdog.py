@@ -9,7 +9,8 @@ LOCAL cluster is up; it never runs for a cluster joined with `ray.address`.
 It waits for its parent (the driver) to exit; then every process of this user writing to a file under the
 run's Ray session directory (the `/tmp/ray/session_…` Ray made for this `ray.init`) is that run's: the GCS,
 raylet, agents, workers and anything they spawned all write their logs there, and no other run writes there
-(a reader, say `tail -f` on a log, is not one of them).
+(a reader, say `tail -f` on a log, is not one of them; nor is another driver that joined this cluster with
+`ray.address`, which writes its `python-core-driver-*` log there: a user's program, not Ray's).
 Those are sent SIGTERM, and SIGKILL after a short grace. If the raylet exits while the driver lives
 (`ray.shutdown()`: Ray stops its own processes), the watchdog just exits. It imports psutil only and looks
 twice a second whether its parent is still the driver. Whatever it stopped is written to
@@ -33,8 +34,13 @@ POLL_S = 0.5
 """How often the parent link and the raylet are looked at (one cheap system call each)."""
 
 
+DRIVER_LOG = "python-core-driver-"
+"""How the log a Ray driver writes into the session directory is named (workers write `python-core-worker-`)."""
+
+
 def session_processes(session_dir: str | Path, exclude: tuple[int, ...] = ()) -> list[psutil.Process]:
-    """This user's processes (other than `exclude`) with a file under `session_dir` open for writing."""
+    """This user's processes (other than `exclude`) with a file under `session_dir` open for writing, Ray
+    drivers (a `DRIVER_LOG` among those files) left out."""
     root = os.path.realpath(session_dir) + os.sep
     me = os.getuid()
     found = []
@@ -42,7 +48,8 @@ def session_processes(session_dir: str | Path, exclude: tuple[int, ...] = ()) ->
         if p.pid in exclude or p.info["uids"] is None or p.info["uids"].real != me:
             continue
         try:
-            if any(f.path.startswith(root) and getattr(f, "mode", "w") != "r" for f in p.open_files()):
+            written = [f.path for f in p.open_files() if f.path.startswith(root) and getattr(f, "mode", "w") != "r"]
+            if written and not any(os.path.basename(f).startswith(DRIVER_LOG) for f in written):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

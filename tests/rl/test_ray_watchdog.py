@@ -27,11 +27,14 @@ def hold(path: Path, mode: str) -> subprocess.Popen:
 
 
 def test_a_dead_drivers_session_writers_are_stopped_and_its_readers_kept(tmp_path):
+    """Stopped: a process writing a log of the session. Kept: a reader of it, and another driver joined to the
+    cluster (writing its own python-core-driver log there)."""
     session = tmp_path / "session_x"
     (session / "logs").mkdir(parents=True)
     log = session / "logs" / "worker.out"
     log.write_text("")
     member, reader = hold(log, "a"), hold(log, "r")
+    joined = hold(session / "logs" / "python-core-driver-01000000_123.log", "a")
     try:
         assert {p.pid for p in session_processes(session)} == {member.pid}
         driver = textwrap.dedent(f"""
@@ -43,12 +46,12 @@ def test_a_dead_drivers_session_writers_are_stopped_and_its_readers_kept(tmp_pat
         out = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=60)
         watchdog = psutil.Process(int(out.stdout))  # its driver has exited
         member.wait(15)
-        assert reader.poll() is None
+        assert reader.poll() is None and joined.poll() is None
         watchdog.wait(15)
         stopped = (session / "logs/k3rl_watchdog.log").read_text()
         assert f"stopped 1 process(es) of this session: {member.pid}" in stopped
     finally:
-        for proc in (member, reader):
+        for proc in (member, reader, joined):
             proc.kill()
             proc.wait()
 

@@ -136,6 +136,8 @@ def export_main(argv: list[str]) -> int:
             raise ValueError(f"{src / hf_layout.CONFIG_FILE}: model_type {raw.get('model_type')!r} is not a K3 "
                              f"layout ({', '.join(hf_layout.MODEL_TYPES)})")
         text = raw.get("text_config", raw)
+        if not isinstance(text, dict):
+            raise ValueError(f"{src / hf_layout.CONFIG_FILE}: text_config must be an object, got {type(text).__name__}")
         dtype_name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

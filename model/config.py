@@ -176,6 +176,7 @@ def resolve_model_values(values: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = {**out[key], **value}
         else:
             out[key] = value
+    _check_types(out, ModelConfig)
     lac = out["linear_attn_config"]
     every = set(range(1, int(out["num_hidden_layers"]) + 1))
     kda, full = list(lac["kda_layers"] or []), list(lac["full_attn_layers"] or [])
@@ -185,6 +186,46 @@ def resolve_model_values(values: Mapping[str, Any]) -> dict[str, Any]:
         kda = sorted(every - set(full))
     lac["kda_layers"], lac["full_attn_layers"] = kda, full
     return out
+
+
+_MAX_INT = 2**40
+"""Larger than any real size, count or id: a bigger integer in a config.json is an error, not an allocation."""
+
+
+def _check_types(values: Mapping[str, Any], schema: type, prefix: str = "") -> None:
+    """ValueError naming the first field whose value does not have the dataclass field's type: integers (not
+    bools) within ±2^40, finite numbers, strings, bools, lists of integers, nested sections. YAML and CLI
+    values are already typed by OmegaConf; this is for config.json, which anyone can write."""
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        name, value = prefix + f.name, values.get(f.name)
+        kind, optional = hints[f.name], False
+        if typing.get_origin(kind) is typing.Union:
+            kind, optional = next(a for a in typing.get_args(kind) if a is not type(None)), True
+        if value is None and (optional or f.name not in values):
+            continue
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{name}: expected a mapping, got {value!r}")
+            _check_types(value, kind, name + ".")
+        elif kind is int:
+            if not _is_int(value):
+                raise ValueError(f"{name}: must be an integer within ±2^40, got {value!r}")
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+        elif kind is bool or kind is str:
+            if not isinstance(value, kind):
+                raise ValueError(f"{name}: must be a {kind.__name__}, got {value!r}")
+        elif typing.get_origin(kind) is list:
+            if not isinstance(value, list) or not all(_is_int(i) for i in value):
+                raise ValueError(f"{name}: must be a list of integers, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _MAX_INT
 
 
 def _positive(v: dict, *names: str) -> None:
@@ -223,6 +264,9 @@ def validate_model_config(v: Mapping[str, Any]) -> None:
     lb = lac["gate_lower_bound"]
     if lb is not None and not (isinstance(lb, (int, float)) and -5.0 <= lb < 0.0):
         raise ValueError(f"linear_attn_config.gate_lower_bound: must lie in [-5, 0) or be null, got {lb!r}")
+    for name in ("rms_norm_eps", "initializer_range", "routed_scaling_factor"):
+        if not v[name] > 0:
+            raise ValueError(f"{name}: must be positive, got {v[name]!r}")
     if v["hidden_act"] not in ("situ", "silu"):
         raise ValueError(f"hidden_act: must be 'situ' or 'silu', got {v['hidden_act']!r}")
     for name in ("activation_situ_beta", "activation_situ_linear_beta"):

@@ -181,9 +181,11 @@ def raw_config(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face model at {directory} ({CONFIG_FILE} missing)")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError: not JSON, not UTF-8, an integer past Python's digit limit; RecursionError: deep nesting
+        what = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{path}: cannot read ({what})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
@@ -362,7 +364,11 @@ def _skip_unbuilt(tensors: dict[str, torch.Tensor], raw: Mapping[str, Any], conf
                   directory: Path) -> dict[str, torch.Tensor]:
     """Drop what k3rl does not build (released ViT and projector, MTP layers, rotary caches), saying so."""
     text = raw.get("text_config", raw)
-    mtp = int(text.get("num_nextn_predict_layers") or 0) if isinstance(text, Mapping) else 0
+    mtp = text.get("num_nextn_predict_layers") if isinstance(text, Mapping) else 0
+    if mtp is not None and (not isinstance(mtp, int) or isinstance(mtp, bool) or not 0 <= mtp <= 2**20):
+        raise CheckpointError(f"{directory / CONFIG_FILE}: num_nextn_predict_layers must be a non-negative "
+                              f"integer, got {mtp!r}")
+    mtp = mtp or 0
     L = config.num_hidden_layers
     skipped = {"vision tower / projector": 0, "MTP layer": 0}
     kept = {}

@@ -48,7 +48,7 @@ import torch
 from model import integrity
 from model.hf_names import split_experts, stack_experts
 from model.trust import check_remote_code, inside
-from model.weight_files import read_extra, read_index, read_weights, write_extra, write_weights
+from model.weight_files import read_extra, read_index, read_json, read_weights, write_extra, write_weights
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
 OLD_MODEL_TYPE = "k3rl_k3"
@@ -181,11 +181,9 @@ def raw_config(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face model at {directory} ({CONFIG_FILE} missing)")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        # ValueError: not JSON, not UTF-8, an integer past Python's digit limit; RecursionError: deep nesting
-        what = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"{path}: cannot read ({what})") from None
+        raw = read_json(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -197,6 +197,16 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
     return weights
 
 
+def read_json(path: PathLike, what: str = "cannot read") -> object:
+    """A JSON file of a model directory (untrusted): anything unreadable is a ValueError naming the file — not
+    UTF-8, not JSON, an integer past Python's digit limit, nesting too deep for the parser."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: {what} ({why})") from None
+
+
 def read_index(directory: PathLike) -> Optional[dict[str, str]]:
     """The `weight_map` (tensor → file) of the directory's `model.safetensors.index.json`, None without one.
 
@@ -207,11 +217,7 @@ def read_index(directory: PathLike) -> Optional[dict[str, str]]:
     path = directory / INDEX_NAME
     if not path.exists():
         return None
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        # ValueError: bad JSON, bad UTF-8, or an integer past Python's digit limit
-        raise ValueError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from e
+    index = read_json(path, "not a safetensors index")
     if not isinstance(index, dict):
         raise ValueError(f"{path}: not a safetensors index (a JSON {type(index).__name__}, not an object)")
     if "weight_map" not in index:
@@ -261,10 +267,7 @@ def _quantization_config(directory: Path) -> Optional[dict]:
     path = directory / "config.json"
     if not path.exists():
         return None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+    config = read_json(path)
     text = config.get("text_config") if isinstance(config, dict) else None
     if not isinstance(config, dict) or not isinstance(text or {}, dict):
         raise ValueError(f"{path}: expected a JSON object (with an object text_config, if any)")

@@ -69,21 +69,10 @@ def orphaned_agents() -> list:
 
 def reap_orphaned_agents(timeout_s: float = 5.0) -> list[int]:
     """Terminate (then kill) the agents `orphaned_agents` finds; returns their pids."""
-    import psutil
+    from rl.ray_watchdog import stop
 
     procs = orphaned_agents()
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=timeout_s)
+    stop(procs, grace_s=timeout_s)
     return [p.pid for p in procs]
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import random
 import re
+import traceback
+from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 SWAPS: dict[str, Any] = {
     "null": None, "true": True, "zero": 0, "negative": -1, "float": 1.5, "empty-string": "", "blank": "  ",
@@ -139,3 +141,26 @@ def problem(message: str, path: Path) -> str | None:
     if not re.match(rf"{re.escape(str(path))}:\d+: \S", message):
         return f"does not start with '{path}:LINE: '"
     return None
+
+
+def run_fuzz(cases: list[tuple[str, bytes]], tmp_path: Path, read: Callable[[Path], Optional[Iterable[str]]],
+             named: type) -> tuple[Counter, list[str]]:
+    """Write each case to a file and `read` it: counts of `loaded`, `named` (raised `named` with a good message,
+    `problem`) and `traceback` (anything else), and a line per failure. `read` may return messages it wrote
+    instead of raising (skipped rows); each must be a good message too."""
+    outcome, failures = Counter(), []
+    for i, (name, data) in enumerate(cases):
+        path = tmp_path / f"{i:03d}.jsonl"
+        path.write_bytes(data)
+        try:
+            messages = read(path) or ()
+            outcome["loaded"] += 1
+        except named as e:
+            outcome["named"] += 1
+            messages = [str(e)]
+        except BaseException:  # noqa: BLE001 - any other exception is the failure the fuzz tests count
+            outcome["traceback"] += 1
+            failures.append(f"{name}: {traceback.format_exc(limit=-2)}")
+            continue
+        failures += [f"{name}: message {what}: {m}" for m in messages if (what := problem(m, path)) is not None]
+    return outcome, failures

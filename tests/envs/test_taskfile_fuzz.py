@@ -6,14 +6,12 @@ Python's 4,300-digit limit, deep nesting, lone surrogates, NaN, wrong types …)
 from __future__ import annotations
 
 import json
-import traceback
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from envs.longctx.taskfile import TaskFileError, read_task_file
-from tests.jsonl_fuzz import problem, variants
+from tests.jsonl_fuzz import problem, run_fuzz, variants
 
 REPO = Path(__file__).parents[2]
 ROW = {"id": "q1", "question": "Who lit the lantern?", "answers": ["Ann"],
@@ -25,20 +23,7 @@ ROW = {"id": "q1", "question": "Who lit the lantern?", "answers": ["Ann"],
 def test_fuzzed_task_files_load_or_name_file_and_line(tmp_path):
     cases = variants(ROW, seed=28)
     assert len(cases) >= 200
-    outcome, failures = Counter(), []
-    for i, (name, data) in enumerate(cases):
-        path = tmp_path / f"{i:03d}.jsonl"
-        path.write_bytes(data)
-        try:
-            read_task_file(path)
-            outcome["loaded"] += 1
-        except TaskFileError as e:
-            outcome["named"] += 1
-            if (what := problem(str(e), path)) is not None:
-                failures.append(f"{name}: message {what}: {e}")
-        except BaseException:  # noqa: BLE001 - any other exception is the failure this test counts
-            outcome["traceback"] += 1
-            failures.append(f"{name}: {traceback.format_exc(limit=-2)}")
+    outcome, failures = run_fuzz(cases, tmp_path, lambda path: read_task_file(path) and None, TaskFileError)
     assert not failures, f"{len(failures)} of {len(cases)} ({dict(outcome)}):\n" + "\n".join(failures[:20])
     # the valid variants load and the clearly broken ones do not
     assert outcome["loaded"] >= 20 and outcome["named"] >= 150, dict(outcome)

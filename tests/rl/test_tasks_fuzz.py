@@ -6,8 +6,6 @@ are split on `\\n` only, so a row holding U+2028 or U+0085 in a string is a vali
 from __future__ import annotations
 
 import json
-import traceback
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from envs.search import SearchEnv
 from rl.config import ConfigError
 from rl.tasks import read_tasks
-from tests.jsonl_fuzz import problem, variants
+from tests.jsonl_fuzz import problem, run_fuzz, variants
 
 REPO = Path(__file__).parents[2]
 
@@ -34,22 +32,13 @@ def env():
 def test_fuzzed_task_rows_load_or_name_file_and_line(env, tmp_path, bad_rows):
     cases = variants(ROW, seed=28)
     assert len(cases) >= 200
-    outcome, failures = Counter(), []
-    for i, (name, data) in enumerate(cases):
-        path = tmp_path / f"{i:03d}.jsonl"
-        path.write_bytes(data)
+
+    def read(path):
         skipped: list[str] = []
-        try:
-            read_tasks(path, env, bad_rows, skipped)
-            outcome["loaded"] += 1
-        except ConfigError as e:
-            outcome["named"] += 1
-            if (what := problem(str(e), path)) is not None:
-                failures.append(f"{name}: message {what}: {e}")
-        except BaseException:  # noqa: BLE001 - any other exception is the failure this test counts
-            outcome["traceback"] += 1
-            failures.append(f"{name}: {traceback.format_exc(limit=-2)}")
-        failures += [f"{name}: skipped row {what}: {s}" for s in skipped if (what := problem(s, path)) is not None]
+        read_tasks(path, env, bad_rows, skipped)
+        return skipped
+
+    outcome, failures = run_fuzz(cases, tmp_path, read, ConfigError)
     assert not failures, f"{len(failures)} of {len(cases)} ({dict(outcome)}):\n" + "\n".join(failures[:20])
     assert outcome["loaded"] >= 20 and outcome["named"] >= (20 if bad_rows == "skip" else 150), dict(outcome)
 

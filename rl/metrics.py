@@ -33,6 +33,18 @@ METRICS_FILE = "metrics.jsonl"
 Z95 = 1.959963984540054
 
 
+def null_nonfinite(value: Any) -> Any:
+    """`value` with every NaN or infinite float (nested in dicts, lists, tuples) replaced by None, so that
+    `json.dumps(..., allow_nan=False)` writes strict JSON: a bare `NaN` is not JSON, and strict parsers refuse it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: null_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [null_nonfinite(v) for v in value]
+    return value
+
+
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (95% by default); (0, 1) when n = 0."""
     if n <= 0:

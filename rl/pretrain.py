@@ -362,8 +362,11 @@ class Climb:
 
     def _report(self, sdir: Path) -> None:
         from rl.climb_report import plot_position_loss, plot_score_by_length
+        from rl.metrics import null_nonfinite
 
-        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        # an all-error grid cell scores NaN in memory (the plots skip it) and null in the file
+        (self.run_dir / "summary.json").write_text(json.dumps(null_nonfinite(self.summary), indent=1,
+                                                              allow_nan=False))
         plot_score_by_length(self.summary[-1:], sdir / "score_by_length.png")
         plot_position_loss(self.summary, self.run_dir / "position_loss.png")
         plot_score_by_length(self.summary, self.run_dir / "score_by_length.png")

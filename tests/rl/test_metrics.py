@@ -25,3 +25,17 @@ def test_a_resumed_log_holds_each_step_once(tmp_path):
     resumed.close()
     rows = read_metrics(tmp_path)
     assert [(r["step"], r["loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+
+
+def test_non_finite_values_are_written_as_null():
+    import json
+
+    from rl.metrics import null_nonfinite
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    value = {"grid": [{"score": float("nan")}, {"score": 0.5}], "loss": (float("inf"), -float("inf"), 1.0), "n": 3}
+    text = json.dumps(null_nonfinite(value), allow_nan=False)
+    assert json.loads(text, parse_constant=refuse) == {"grid": [{"score": None}, {"score": 0.5}],
+                                                       "loss": [None, None, 1.0], "n": 3}

@@ -247,6 +247,8 @@ def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], l
         files = sorted(set(weight_map.values())) + [PATCH_EMBED_FILE] * (directory / PATCH_EMBED_FILE).is_file()
     meta: dict[str, torch.Tensor] = {}
     bad: list[tuple[str, int]] = []
+    if not files:
+        _scan_pickled_weights(directory, meta, bad)
     for fname in files:
         path = inside(directory, fname, f"{directory}: weight file")
         if not path.is_file():
@@ -276,6 +278,32 @@ def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], l
         meta[module + ".weight"] = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.bfloat16,
                                                device="meta")
     return meta, bad
+
+
+def _scan_pickled_weights(directory: Path, meta: dict[str, torch.Tensor], bad: list[tuple[str, int]]) -> None:
+    """`scan_weight_files` for an HF directory with PyTorch pickles only (`pytorch_model*.bin`, older
+    checkpoints): read as transformers reads them, tensors only (`weights_only`: no pickled code runs),
+    memory-mapped where the file allows."""
+    from model.trust import inside
+
+    for path in sorted(directory.glob("pytorch_model*.bin")):
+        inside(directory, path.name, f"{directory}: weight file")
+        try:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:
+                # the legacy (pre-zip) format cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # any unreadable pickle: name the file
+            raise ValueError(f"{path}: not a readable PyTorch weight file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise ValueError(f"{path}: not a state dict of tensors")
+        for name, t in sorted(state.items()):
+            if n := count_nonfinite(t):
+                bad.append((f"{name} in {path.name}", n))
+            meta[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        del state
 
 
 __all__ = ["COMPLETE", "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError",

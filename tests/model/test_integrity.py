@@ -219,3 +219,30 @@ def test_export_mxfp4_warns_on_saturation_and_refuses_nan(tmp_path, capsys):
     assert export_main([str(nan), str(tmp_path / "out2"), "--quantize", "mxfp4"]) == 2
     assert f"{EXPERT} in {SHARD} (1 value)" in capsys.readouterr().err
     assert not (tmp_path / "out2").exists() and not (tmp_path / ".out2.tmp").exists()
+
+
+class _RunsCode:
+    """Unpickling this calls `marker.touch()`: code a hostile `pytorch_model.bin` could carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickled_hf_weights_are_scanned_without_running_code(tiny_qwen3_dir, tmp_path):
+    bad = copy(tiny_qwen3_dir, tmp_path / "qwen")
+    tensors = load_file(bad / "model.safetensors")
+    (bad / "model.safetensors").unlink()
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[:3] = float("inf")
+    torch.save(tensors, bad / "pytorch_model.bin")
+    with pytest.raises(integrity.NonFiniteWeightsError, match=f"{name} in pytorch_model.bin \\(3 values\\)"):
+        hf_layout.check_model_dir(bad)
+    marker = tmp_path / "ran"
+    torch.save({**tensors, "x": _RunsCode(marker)}, bad / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin: not a readable PyTorch weight file"):
+        hf_layout.check_model_dir(bad)
+    assert not marker.exists()

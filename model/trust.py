@@ -101,11 +101,20 @@ def inside(directory: str | Path, name: Any, named_by: str) -> Path:
     if not isinstance(name, str) or not name:
         raise PathEscapeError(f"{named_by}: file name {name!r} is not a non-empty string")
     path = directory / name
-    root = directory.resolve()
-    if Path(name).is_absolute() or not path.resolve().is_relative_to(root):
+    target = path.resolve()
+    if Path(name).is_absolute() or not any(target.is_relative_to(root) for root in _roots(directory)):
         raise PathEscapeError(f"{named_by}: path {name!r} resolves outside {directory} "
-                              f"(to {path.resolve()}); a model directory may only name files inside itself")
+                              f"(to {target}); a model directory may only name files inside itself")
     return path
+
+
+def _roots(directory: Path) -> list[Path]:
+    """Where a directory's files may live: the directory, and for a snapshot of the Hugging Face hub cache
+    (`models--org--name/snapshots/REV/`, whose files are symlinks to `../../blobs/HASH`) its repository's blobs."""
+    root = directory.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return [root, root.parent.parent / "blobs"]
+    return [root]
 
 
 __all__ = ["OPT_IN", "PathEscapeError", "RemoteCodeError", "check_remote_code", "inside",

@@ -267,6 +267,28 @@ def test_index_entries_outside_the_directory_are_refused(k3_plain, tmp_path, cap
     assert hf_layout.INDEX_FILE in err and name in err and "resolves outside" in err and "Traceback" not in err
 
 
+def test_a_hub_cache_snapshot_loads_through_its_blob_symlinks(k3_plain, tmp_path):
+    """The Hugging Face cache keeps `snapshots/REV/FILE` as symlinks to `../../blobs/HASH`: not an escape."""
+    from model.weight_files import read_weights
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(k3_plain.iterdir())):
+        shutil.copyfile(f, repo / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / f.name)
+    assert torch.equal(read_weights(snapshot)["lm_head.weight"], read_weights(k3_plain)["lm_head.weight"])
+    hf_layout.load_model(snapshot)
+    outside = tmp_path / "stolen.safetensors"
+    shutil.copyfile(repo / "blobs" / "blob0", outside)
+    shard = next(snapshot.glob("model-*.safetensors"))
+    shard.unlink()
+    os.symlink(outside, shard)
+    with pytest.raises(PathEscapeError, match="resolves outside"):
+        read_weights(snapshot)
+
+
 def test_a_side_file_leading_out_is_refused(k3_plain, tmp_path):
     from model.weight_files import read_extra
 

@@ -17,6 +17,7 @@ from model import hf_layout, integrity
 from model.cli import export_main
 from model.weight_files import write_weights
 from rl import checkpoint as ckpt
+from tests.hostile import RunsCode
 
 SHARD = "model-00001-of-00001.safetensors"
 EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1.weight"
@@ -221,16 +222,6 @@ def test_export_mxfp4_warns_on_saturation_and_refuses_nan(tmp_path, capsys):
     assert not (tmp_path / "out2").exists() and not (tmp_path / ".out2.tmp").exists()
 
 
-class _RunsCode:
-    """Unpickling this calls `marker.touch()`: code a hostile `pytorch_model.bin` could carry."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
 def test_pickled_hf_weights_are_scanned_without_running_code(tiny_qwen3_dir, tmp_path):
     bad = copy(tiny_qwen3_dir, tmp_path / "qwen")
     tensors = load_file(bad / "model.safetensors")
@@ -242,7 +233,7 @@ def test_pickled_hf_weights_are_scanned_without_running_code(tiny_qwen3_dir, tmp
     with pytest.raises(integrity.NonFiniteWeightsError, match=f"{name} in pytorch_model.bin \\(3 values\\)"):
         hf_layout.check_model_dir(bad)
     marker = tmp_path / "ran"
-    torch.save({**tensors, "x": _RunsCode(marker)}, bad / "pytorch_model.bin")
+    torch.save({**tensors, "x": RunsCode(marker)}, bad / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pytorch_model.bin: not a readable PyTorch weight file"):
         hf_layout.check_model_dir(bad)
     assert not marker.exists()

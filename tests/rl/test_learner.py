@@ -23,6 +23,7 @@ from rl.learner import Learner, LearnerConfig, LearnerGroup
 from rl.parallel import split_balanced
 from rollout.engine import SamplingParams
 from rollout.trajectory import Trajectory, TrajectoryBuilder
+from tests.hostile import RunsCode
 
 PROMPTS = [[5, 17, 42, 99, 7, 250], [11, 12, 300, 8], [60, 61, 62, 63, 64, 65, 66]]
 
@@ -275,22 +276,12 @@ def test_saved_dir_is_a_hugging_face_model_and_damage_is_named(tmp_path, tiny_qw
         other.load(tmp_path / "policy")
 
 
-class _RunsCode:
-    """Unpickling this calls `marker.touch()`: what a hostile optimizer.pt could do with weights_only=False."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
 def test_optimizer_state_of_another_checkpoint_runs_no_pickled_code(tmp_path, tiny_qwen3_dir):
     learner = Learner(qwen_cfg(tiny_qwen3_dir))
     learner.save(tmp_path / "other")
     marker = tmp_path / "ran"
     state = torch.load(tmp_path / "other" / "optimizer.pt", weights_only=True)
-    state["payload"] = _RunsCode(marker)
+    state["payload"] = RunsCode(marker)
     torch.save(state, tmp_path / "other" / "optimizer.pt")
     ckpt.mark_complete(tmp_path / "other")  # a hostile checkpoint comes with a manifest that matches
     for load in (learner.load_optimizer, learner.load):

@@ -1,6 +1,6 @@
 # k3rl: two commands set everything up on a fresh machine.
 #   make run    create .venv if missing, then run the main job on the embedded default
-#   make test   create .venv if missing, then run the whole test suite
+#   make test   create .venv if missing, then lint (ruff) and run the whole test suite
 # The environment is rebuilt incrementally when pyproject.toml or the lock file changes.
 
 PYTHON ?= python3
@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.k3rl-installed
 PYTEST_ARGS ?=
 
-.PHONY: env run test lock clean-env
+.PHONY: env run test lint lock clean-env
 
 env: $(STAMP)
 
@@ -27,8 +27,12 @@ $(STAMP): pyproject.toml requirements/lock-cpu.txt
 run: env
 	$(BIN)/k3rl quickstart
 
-test: env
+test: env lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Lint and import order (configured in pyproject.toml); `make test` runs it first.
+lint: env
+	$(BIN)/ruff check .
 
 # Rewrite the lock from the current environment (after changing pins in pyproject.toml).
 lock:

@@ -79,8 +79,8 @@ def _grads(outs, *leaves):
 def kda_chunk(dtype, gate: str, varlen: bool = False):
     """chunk_kda_triton forward + backward; gate: 'given' (g tensor, fp32), 'softplus' or 'lower_bound' (FusedGate)."""
     def run():
-        from kernels.kda.chunk_triton import chunk_kda_triton
-        from kernels.kda.gate import FusedGate
+        from k3rl.kernels.kda.chunk_triton import chunk_kda_triton
+        from k3rl.kernels.kda.gate import FusedGate
         B, T = 1, 200  # 200 = 3 full chunks of 64 and a partial one
         q, k = (torch.randn(B, T, H, DK, dtype=dtype, requires_grad=True) for _ in range(2))  # [B, T, H, K]
         v = torch.randn(B, T, H, DV, dtype=dtype, requires_grad=True)  # [B, T, H, V]
@@ -106,8 +106,8 @@ def kda_chunk(dtype, gate: str, varlen: bool = False):
 def kda_recurrent(dtype, gate: str, pool: bool = False, T: int = 1):
     """fused_recurrent_kda_triton (decode, forward only); `pool`: state pool updated in place by index."""
     def run():
-        from kernels.kda.gate import FusedGate
-        from kernels.kda.recurrent_triton import fused_recurrent_kda_triton
+        from k3rl.kernels.kda.gate import FusedGate
+        from k3rl.kernels.kda.recurrent_triton import fused_recurrent_kda_triton
         B = 4
         q, k = (torch.randn(B, T, H, DK, dtype=dtype) for _ in range(2))  # [B, T, H, K]
         v = torch.randn(B, T, H, DV, dtype=dtype)  # [B, T, H, V]
@@ -131,7 +131,7 @@ def kda_recurrent(dtype, gate: str, pool: bool = False, T: int = 1):
 def moe(dtype, rows_per_expert: int, linear_beta: float | None):
     """triton_experts with the fused SiTU-GLU, forward + backward; E = 4 experts, top-2 routing."""
     def run():
-        from kernels.moe.triton import SituGLU, triton_experts
+        from k3rl.kernels.moe.triton import SituGLU, triton_experts
         E, top = 4, 2
         N = rows_per_expert * E // top
         z = torch.randn(N, D_MODEL, dtype=dtype, requires_grad=True)  # [N, d]
@@ -146,7 +146,7 @@ def moe(dtype, rows_per_expert: int, linear_beta: float | None):
 
 def situ(dtype, linear_beta: float | None):
     def run():
-        from kernels.situ.fused import situ_glu_triton
+        from k3rl.kernels.situ.fused import situ_glu_triton
         g, u = (torch.randn(512, D_EXPERT, dtype=dtype, requires_grad=True) for _ in range(2))  # [M, I]
         _grads([situ_glu_triton(g, u, 1.0, linear_beta)], g, u)
     return run
@@ -154,7 +154,7 @@ def situ(dtype, linear_beta: float | None):
 
 def attn_res(dtype, d: int):
     def run():
-        from kernels.attn_res.fused import attn_res_mix_triton
+        from k3rl.kernels.attn_res.fused import attn_res_mix_triton
         srcs = [torch.randn(1, 64, d, dtype=dtype, requires_grad=True) for _ in range(4)]  # 4 × [B, T, d]
         q = torch.randn(d, dtype=torch.float32, requires_grad=True)  # [d] pseudo-query
         _grads([attn_res_mix_triton(srcs, q, 1e-6)], q, *srcs)
@@ -236,7 +236,7 @@ def _as_cuda():
 
 
 def _patch_dot_args():
-    import kernels.kda.chunk_bwd as cb
+    import k3rl.kernels.kda.chunk_bwd as cb
     orig = cb.dot_args
 
     def dot_args_on_gpu(*inputs):
@@ -280,7 +280,7 @@ def _compile(launch: Launch, keep_ptx: Path | None) -> None:
 
 def _all_kernels(only: str | None) -> set[str]:
     """Every @triton.jit function of kernels/ that some host code launches (`name[grid](...)`)."""
-    import kernels
+    import k3rl.kernels as kernels
     found = set()
     for mod in pkgutil.walk_packages(kernels.__path__, "kernels."):
         if only and not mod.name.startswith(f"kernels.{only}"):

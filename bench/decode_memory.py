@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.cache import K3Cache  # noqa: E402
-from rl.config import load_model_config  # noqa: E402
+from k3rl.model.cache import K3Cache  # noqa: E402
+from k3rl.rl.config import load_model_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = [1024, 2048, 4096]
@@ -45,7 +45,7 @@ def mha_layout_bytes(config, tokens: int) -> int:
 
 
 def measure_k3(config, tokens: int) -> int:
-    from model.modeling import K3ForCausalLM
+    from k3rl.model.modeling import K3ForCausalLM
 
     torch.manual_seed(0)
     model = K3ForCausalLM(config).to(torch.bfloat16).eval()

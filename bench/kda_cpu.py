@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from kernels.kda import kda_gate, naive_recurrent_kda  # noqa: E402
-from kernels.kda.chunk import chunk_kda  # noqa: E402
+from k3rl.kernels.kda import kda_gate, naive_recurrent_kda  # noqa: E402
+from k3rl.kernels.kda.chunk import chunk_kda  # noqa: E402
 
 B, H, D, C = 1, 4, 128, 64
 LOWER_BOUND = -5.0

@@ -63,10 +63,10 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from kernels.kda.chunk import chunk_kda  # noqa: E402
-from kernels.kda.gate import FusedGate, kda_gate  # noqa: E402
-from kernels.kda.naive import naive_recurrent_kda  # noqa: E402
-from kernels.kda.recurrent import fused_recurrent_kda  # noqa: E402
+from k3rl.kernels.kda.chunk import chunk_kda  # noqa: E402
+from k3rl.kernels.kda.gate import FusedGate, kda_gate  # noqa: E402
+from k3rl.kernels.kda.naive import naive_recurrent_kda  # noqa: E402
+from k3rl.kernels.kda.recurrent import fused_recurrent_kda  # noqa: E402
 
 LOWER_BOUND = -5.0
 GATES = {"lb": LOWER_BOUND, "softplus": None}  # the two fused forms; "tensor" (g given) is checked only
@@ -164,13 +164,13 @@ def make_fla_chunk(fla_chunk):
 
 def load_ours():
     try:
-        from kernels.kda import kda_chunk
+        from k3rl.kernels.kda import kda_chunk
     except ImportError as e:
         return None, f"kernels.kda.kda_chunk is not importable ({e})"
     if DEVICE == "cuda":
         # kda_chunk imports its Triton module at the first CUDA call; find out now whether it is there
         try:
-            import kernels.kda.chunk_triton  # noqa: F401
+            import k3rl.kernels.kda.chunk_triton  # noqa: F401
         except ImportError as e:
             present = (ROOT / "kernels/kda/chunk_triton.py").exists()
             return None, f"kernels/kda/chunk_triton.py {'fails to import' if present else 'is missing'} ({e})"
@@ -319,7 +319,7 @@ def bandwidth(timer) -> tuple[float, str, float]:
     """(bytes/s used for the floors, where it comes from, this run's measured copy rate)."""
     n = 2**30 if DEVICE == "cuda" else 2**24
     a, b = torch.empty(n, dtype=torch.int8, device=DEVICE), torch.empty(n, dtype=torch.int8, device=DEVICE)
-    ms, _ = timer(lambda: b.copy_(a))
+    ms, _ = timer(lambda: b.copy_(a))  # noqa: F821 (ruff misreads the later `del a, b`)
     measured = 2 * n / (ms * 1e-3)
     del a, b
     free_memory()
@@ -334,7 +334,7 @@ def bandwidth(timer) -> tuple[float, str, float]:
 
 
 def decode_paths(fla_recurrent):
-    from kernels.kda.recurrent_triton import fused_recurrent_kda_triton
+    from k3rl.kernels.kda.recurrent_triton import fused_recurrent_kda_triton
 
     def torch_rec(x):
         g = kda_gate(x["f"], x["A_log"], x["dt_bias"], LOWER_BOUND)

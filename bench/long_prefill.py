@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def tiny_config(length: int, kda_only: bool):
     """The quickstart's tiny hybrid (or every layer KDA) with positions up to `length` (its MLA is NoPE)."""
-    from rl.config import load_model_config
+    from k3rl.rl.config import load_model_config
 
     config = load_model_config(ROOT / "configs/rl/quickstart.yaml")
     values = config.model_config_dict()
@@ -56,8 +56,8 @@ def measure(length: int, segment: int | None, kda_only: bool, batch: int) -> dic
     """One prefill in this process: seconds and peak RSS (GiB)."""
     import torch
 
-    from model.modeling import K3ForCausalLM
-    from model.policy import Policy
+    from k3rl.model.modeling import K3ForCausalLM
+    from k3rl.model.policy import Policy
 
     config = tiny_config(length, kda_only)
     torch.manual_seed(0)
@@ -96,8 +96,8 @@ def main() -> None:
     model = "tiny KDA-only (4 KDA)" if args.kda_only else "tiny hybrid (3 KDA + 1 MLA)"
     print(f"prefill of one random prompt, {model}, batch {args.batch}, fp32, "
           f"segment {args.segment} tokens; peak = max resident set of a fresh process", flush=True)
-    print(f"| tokens | path | s | tokens/s | peak RSS GiB | of which cache GiB | vs one piece (time, peak) |")
-    print(f"|---|---|---|---|---|---|---|", flush=True)
+    print("| tokens | path | s | tokens/s | peak RSS GiB | of which cache GiB | vs one piece (time, peak) |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     for length in args.lengths:
         seg = run_child(length, args.segment, args.kda_only, args.batch, args.timeout)
         one = None

@@ -1,5 +1,5 @@
 """One learner step (forward + backward) on one long trajectory: segment-recurrent (`learner.segment_tokens`,
-rl/segments.py) vs the whole sequence at once, wall time and peak resident memory, each measurement in a fresh
+rl/train/segments.py) vs the whole sequence at once, wall time and peak resident memory, each measurement in a fresh
 process so the peaks do not mix.
 
 Models (random weights: the cost does not depend on them): the quickstart's tiny hybrid (configs/rl/quickstart.yaml:
@@ -40,7 +40,7 @@ def trajectory(length: int, vocab: int, every: int, turn: int):
     """`length` tokens: context with a sampled turn of `turn` tokens after every `every` (and at the end)."""
     import numpy as np
 
-    from rollout.trajectory import Trajectory
+    from k3rl.rollout.trajectory import Trajectory
 
     rng = np.random.default_rng(0)
     mask = np.zeros(length, dtype=np.uint8)
@@ -55,9 +55,9 @@ def trajectory(length: int, vocab: int, every: int, turn: int):
 
 def step_flops(config, length: int, loss_tokens: int) -> float:
     """Matmul FLOPs of one training step (4 forward-equivalents) on one sequence."""
-    from model.modeling import K3ForCausalLM
-
     import torch
+
+    from k3rl.model.modeling import K3ForCausalLM
 
     with torch.device("meta"):
         model = K3ForCausalLM(config)
@@ -90,9 +90,9 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     """One learner step in this process: seconds, peak RSS (GiB), and the floor's seconds."""
     import torch
 
-    from model.hf_layout import save_model
-    from model.modeling import K3ForCausalLM
-    from rl.learner import Learner, LearnerConfig
+    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.modeling import K3ForCausalLM
+    from k3rl.rl.train.learner import Learner, LearnerConfig
 
     config = tiny_config(length, kda_only)
     torch.manual_seed(0)

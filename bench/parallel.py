@@ -1,14 +1,14 @@
 """The learner under data, expert and sharded parallelism on this machine, and the sizing of RL on the full K3.
 
-Measured (default): one learner step (`LearnerGroup.train_step`, rl/learner.py: GRPO, AdamW, float32) of the small
+Measured (default): one learner step (`LearnerGroup.train_step`, rl/train/learner.py: GRPO, AdamW, float32) of the small
 config (configs/model/small.yaml: 203M parameters, 32 routed experts top-4, 11 MoE layers) on two gloo ranks, in
 three layouts, one after another in this run on the same batch:
 
 - DP=2:        `rl.num_learners=2`, every rank holds the whole model and optimizer (gradients all-reduced);
 - EP=2:        `learner.expert_parallel=2`: each rank holds 16 of the 32 experts of every MoE layer, tokens go to
-               the rank owning their expert and back by all-to-all (rl/expert_parallel.py);
+               the rank owning their expert and back by all-to-all (rl/train/expert_parallel.py);
 - EP=2×FSDP:   `learner.fsdp=true` on top: every other parameter, gradient and optimizer state sharded over the
-               two ranks with FSDP2 (rl/parallel.py `apply_parallelism`).
+               two ranks with FSDP2 (rl/train/parallel.py `apply_parallelism`).
 
 Per layout: 1 warm-up step, then `--steps` timed steps (median s/step); per rank, the peak resident memory of the
 rank's process (VmHWM of the Ray actor, which includes the ~0.5–0.7 GiB of torch itself) and the bytes of the
@@ -48,7 +48,7 @@ def batch(vocab: int, n_groups: int = 4, group_size: int = 4, prompt: int = 96, 
     """GRPO groups of random tokens: a shared prompt (no loss) and a sampled response per sample, rewards 0..1."""
     import numpy as np
 
-    from rollout.trajectory import TrajectoryBuilder
+    from k3rl.rollout.trajectory import TrajectoryBuilder
 
     rng = np.random.default_rng(seed)
     out = []
@@ -80,7 +80,7 @@ def _rank_stats(worker) -> dict:
 def measure(model_dir: Path, trajectories, expert_parallel: int, fsdp: bool, steps: int) -> dict:
     import ray
 
-    from rl.learner import LearnerConfig, LearnerGroup
+    from k3rl.rl.train.learner import LearnerConfig, LearnerGroup
 
     cfg = LearnerConfig(model_path=str(model_dir), algo="grpo", lr=1e-5, micro_batch_tokens=2048,
                         share_prefix=False, expert_parallel=expert_parallel, fsdp=fsdp)
@@ -101,8 +101,8 @@ def measure(model_dir: Path, trajectories, expert_parallel: int, fsdp: bool, ste
 def run_measured(args) -> None:
     import ray
 
-    from model.init import init_model
-    from rl.config import load_model_config
+    from k3rl.model.init import init_model
+    from k3rl.rl.config import load_model_config
 
     config = load_model_config(str(ROOT / args.config), [])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -133,9 +133,9 @@ def run_measured(args) -> None:
 # ---- sizing arithmetic (--plan)
 
 def run_plan(args) -> None:
-    """RL on the published K3 on H200 nodes, from the parameter counts and rl/pretrain_plan.py's activation model."""
-    from rl.config import load_model_config
-    from rl.pretrain_plan import GPUS, activation_bytes, parameter_summary
+    """RL on the published K3 on H200 nodes, from the parameter counts and rl/pretrain/plan.py's activation model."""
+    from k3rl.rl.config import load_model_config
+    from k3rl.rl.pretrain.plan import GPUS, activation_bytes, parameter_summary
 
     config = load_model_config(str(ROOT / "configs/model/k3.yaml"), [])
     gpu = GPUS["h200"]

@@ -1,10 +1,10 @@
 """The pretraining step at each stage length of the context climb: tokens/s, s/step and peak resident memory of the
-learner's `train_step` (rl/learner.py, objective `nll`) on real packed rows, segmented vs unsegmented where both
+learner's `train_step` (rl/train/learner.py, objective `nll`) on real packed rows, segmented vs unsegmented where both
 fit, each measurement in a fresh process so the peaks do not mix.
 
 For every stage of the climb config (default configs/pretrain/cpu.yaml: the tiny K3 with RoPE on its MLA layers,
 512 → 2K → 8K → 32K): the random model of the config's `model:` section (built once, seed 0), the stage's learner
-(`rl.stages.learner_config`: its rate, schedule, RoPE base) and the stage's packed rows (rl/pretrain_data.py
+(`rl.stages.learner_config`: its rate, schedule, RoPE base) and the stage's packed rows (rl/pretrain/data.py
 `PackedRows` of the stage's length and mixture, seed 0, held-out documents excluded — what `k3rl pretrain` trains
 on). One measured step holds the stage's rows per optimizer step, capped at `--tokens-per-step` tokens (at least
 one row); 1 warm-up step, then `--steps` timed steps (rows of the next steps); the table gives the median.
@@ -14,7 +14,7 @@ Variants per length:
   restarts its state at each document, MLA attends under a block-diagonal causal mask); run up to
   `--max-unsegmented` tokens (MLA's T² mask and scores make 32K very slow on two cores);
 - segmented: the stage's `segment_tokens` (or `--segment`), only where the length is above it: a packed row is cut
-  into its documents, short ones packed again up to a segment, long ones run segment by segment (rl/segments.py:
+  into its documents, short ones packed again up to a segment, long ones run segment by segment (rl/train/segments.py:
   a no-grad pass, then the segments' backward with recomputation);
 - `--packed-vs-plain LEN` (default 2048, unsegmented): the same rows as packed (position_ids restart at each
   document) vs plain (the same tokens and loss mask, position_ids=None: one causal sequence per row, plain causal
@@ -51,8 +51,8 @@ SEED = 0
 
 
 def load(config: str):
-    from rl.config import JobConfig, load_config
-    from rl.pretrain import model_config
+    from k3rl.rl.commands.pretrain import model_config
+    from k3rl.rl.config import JobConfig, load_config
 
     cfg = load_config(config, [], JobConfig)
     return cfg, model_config(cfg)
@@ -60,17 +60,17 @@ def load(config: str):
 
 def stores_of(cfg, tokenizer) -> dict:
     """Every source's token cache (built now if missing: the children then only open it)."""
-    from envs.sources import data_dir
-    from rl.pretrain import sources_of
-    from rl.pretrain_data import build_store
+    from k3rl.envs.sources import data_dir
+    from k3rl.rl.commands.pretrain import sources_of
+    from k3rl.rl.pretrain.data import build_store
 
     return {name: build_store(name, src, tokenizer, data_dir() / "pretrain") for name, src in sources_of(cfg).items()}
 
 
 def packed_rows(cfg, stores: dict, index: int, seq_len: int):
-    """The driver's rows of stage `index` (rl/pretrain.py `Climb.run_stage`), at `seq_len` tokens, seed 0."""
-    from rl import stages as st
-    from rl.pretrain_data import PackedRows
+    """The driver's rows of stage `index` (rl/commands/pretrain.py `Climb.run_stage`), at `seq_len` tokens, seed 0."""
+    from k3rl.rl.pretrain import stages as st
+    from k3rl.rl.pretrain.data import PackedRows
 
     pre = cfg.pretrain
     heldout = {}
@@ -90,9 +90,9 @@ def measure(spec: dict) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    import model.modeling  # noqa: F401  (registers the K3 model type: the tokenizer's AutoConfig needs it)
-    from rl import stages as st
-    from rl.learner import Learner
+    import k3rl.model.modeling  # noqa: F401  (registers the K3 model type: the tokenizer's AutoConfig needs it)
+    from k3rl.rl.pretrain import stages as st
+    from k3rl.rl.train.learner import Learner
 
     cfg, config = load(spec["config"])
     stores = stores_of(cfg, AutoTokenizer.from_pretrained(spec["model_dir"]))
@@ -130,7 +130,7 @@ def run_child(spec: dict, timeout: float) -> dict:
 
 def plan(cfg, args) -> list[dict]:
     """Every measurement of the run, in order: per stage its variants, then the packed-vs-plain pair."""
-    from rl import stages as st
+    from k3rl.rl.pretrain import stages as st
 
     out = []
     for i, stage in enumerate(cfg.pretrain.stages):
@@ -189,7 +189,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     if not ax.lines:
         plt.close(fig)
         return
-    from rl.stages import human_tokens
+    from k3rl.rl.pretrain.stages import human_tokens
 
     lengths = sorted({r["seq_len"] for r in results if "tokens_per_s" in r})
     ax.set_xscale("log", base=2)
@@ -232,8 +232,8 @@ def main() -> None:
         if cfg.pretrain.model_dir is not None:
             model_dir = str(cfg.pretrain.model_dir)
         else:
-            from model.config import K3Config
-            from model.init import init_model
+            from k3rl.model.config import K3Config
+            from k3rl.model.init import init_model
 
             model_dir = str(Path(tmp) / "init")
             init_model(K3Config.from_model_config(cfg.model), model_dir, seed=SEED)

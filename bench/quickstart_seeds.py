@@ -87,7 +87,7 @@ def check_paths() -> list[str]:
 def run_one(seed: int, path: str, out: Path, overrides: list[str], timeout: float) -> dict:
     name = f"seed{seed}-{path}"
     run_dir = out / name
-    cmd = [sys.executable, "-m", "rl.quickstart", f"run.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
+    cmd = [sys.executable, "-m", "k3rl.rl.commands.quickstart", f"run.seed={seed}", f"run.output_dir={out}", f"run.name={name}",
            *overrides]
     log = out / f"{name}.log"
     started = time.perf_counter()

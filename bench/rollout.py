@@ -72,7 +72,7 @@ def hf_generate(model, tokenizer, prompts, max_tokens):
 
 
 def engine_generate(engine, prompts, max_tokens):
-    from rollout.engine import SamplingParams
+    from k3rl.rollout.engine import SamplingParams
 
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=0))
     return sum(len(c.token_ids) for o in outs for c in o)
@@ -86,9 +86,9 @@ def search_tasks(n: int) -> list[dict]:
 
 
 def episodes_per_second(engine, tokenizer, n: int, max_tokens: int) -> float:
-    import envs
-    from rollout.agent_loop import AgentLoop, EpisodeRequest
-    from rollout.engine import SamplingParams
+    import k3rl.envs as envs
+    from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+    from k3rl.rollout.engine import SamplingParams
 
     loop = AgentLoop(engine, tokenizer, lambda: envs.make("search"), SamplingParams(max_tokens=max_tokens, seed=0),
                      max_context_tokens=4096, env_name="search")
@@ -103,13 +103,13 @@ def multi_turn(engine, tasks: int, n: int, turns: int, max_tokens: int) -> list[
     import random
     import zlib
 
-    import envs.tools as T
-    from envs import Env, tool
-    from envs.base import Budget
-    from rollout.agent_loop import AgentLoop, EpisodeRequest
-    from rollout.engine import SamplingParams
-    from rollout.sessions import PrefillStats
-    from rollout.torch_engine import TorchEngine
+    import k3rl.envs.tools as T
+    from k3rl.envs import Env, tool
+    from k3rl.envs.base import Budget
+    from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+    from k3rl.rollout.engine import SamplingParams
+    from k3rl.rollout.sessions import PrefillStats
+    from k3rl.rollout.torch_engine import TorchEngine
 
     class Probe(Env):
         """Look around until the turn budget runs out."""
@@ -170,7 +170,7 @@ def print_multi_turn(rows: list[tuple], max_tokens: int) -> None:
 
 def set_expert_impl(model, impl: str) -> None:
     """Run every routed-expert block of `model` with `impl` (kernels/moe: `grouped`, `naive`, `triton`)."""
-    from model.moe import Experts
+    from k3rl.model.moe import Experts
 
     for m in model.modules():
         if isinstance(m, Experts):
@@ -190,15 +190,15 @@ def main() -> int:
     batches = (1, 8) if args.quick else (1, 8, 32)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
 
-    from rollout.vllm_cpu import configure_cpu_env
+    from k3rl.rollout.vllm_cpu import configure_cpu_env
 
     configure_cpu_env()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model.cli import init_main
-    from rollout.tiny_qwen3 import build_tiny_qwen3
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rl.commands.model_tools import init_main
+    from k3rl.rollout.tiny_qwen3 import build_tiny_qwen3
+    from k3rl.rollout.torch_engine import TorchEngine
 
     torch.set_num_threads(1)  # the same single thread vLLM gets on this machine
     work = Path(tempfile.mkdtemp(prefix="k3rl-bench-"))
@@ -218,7 +218,7 @@ def main() -> int:
     if not args.k3_only:
         engines.append(("native", "tiny Qwen3", qwen_native, qwen_tok))
     if not args.no_vllm and not args.k3_only:
-        from rollout.vllm_engine import VLLMEngine
+        from k3rl.rollout.vllm_engine import VLLMEngine
 
         vllm = VLLMEngine(qwen_dir, max_model_len=4096, seed=0)
         engines.append(("vLLM", "tiny Qwen3", vllm, qwen_tok))

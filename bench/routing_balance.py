@@ -42,9 +42,9 @@ def parse_args() -> argparse.Namespace:
 def run(method: str, kw: dict, args) -> list[float]:
     import torch
 
-    from model.config import ModelConfig, RouterBalanceConfig
-    from model.moe import Router
-    from rl.router_balance import balance_routers
+    from k3rl.model.config import ModelConfig, RouterBalanceConfig
+    from k3rl.model.moe import Router
+    from k3rl.rl.train.router_balance import balance_routers
 
     d = 64
     cfg = ModelConfig(hidden_size=d, num_experts=args.experts, num_experts_per_token=args.top_k,

@@ -30,11 +30,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envs import Budget, Episode, format_call  # noqa: E402
-from envs.corpus import Corpus, Document, Passage, chunk_document, index_text  # noqa: E402
-from envs.index import BM25Index, BM25Params, DenseIndex, DenseParams  # noqa: E402
-from envs.search import SearchEnv  # noqa: E402
-from envs.sources import builtin_documents, wiki_records  # noqa: E402
+from k3rl.envs import Budget, Episode, format_call  # noqa: E402
+from k3rl.envs.corpus import Corpus, Document, Passage, chunk_document, index_text  # noqa: E402
+from k3rl.envs.index import BM25Index, BM25Params, DenseIndex, DenseParams  # noqa: E402
+from k3rl.envs.search import SearchEnv  # noqa: E402
+from k3rl.envs.sources import builtin_documents, wiki_records  # noqa: E402
 
 
 def timed(fn, queries):

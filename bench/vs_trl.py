@@ -61,9 +61,9 @@ BENCH_FILE = Path(__file__).resolve()
 ROOT = BENCH_FILE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from envs.base import Budget, Env  # noqa: E402  (cheap: no torch)
-from envs.registry import register  # noqa: E402
-from envs.tools import ToolCall, parse, tool  # noqa: E402
+from k3rl.envs.base import Budget, Env  # noqa: E402  (cheap: no torch)
+from k3rl.envs.registry import register  # noqa: E402
+from k3rl.envs.tools import ToolCall, parse, tool  # noqa: E402
 
 ENV_NAME = "vs_trl_answer"
 VARIANTS = ("trl", "k3rl_ray", "k3rl_inproc")
@@ -124,7 +124,7 @@ def make_tasks(n: int, seed: int) -> list[dict]:
 
 def prompt_messages(task: dict) -> list[dict]:
     """The opening messages of an episode exactly as k3rl builds them (system with tools, user)."""
-    from envs.base import Episode
+    from k3rl.envs.base import Episode
 
     return Episode(AnswerEnv(), task).messages
 
@@ -213,8 +213,8 @@ def _ray_worker_setup() -> None:
 def run_k3rl_ray(args: argparse.Namespace, model_dir: Path, tasks_path: Path, out_dir: Path) -> dict:
     import ray
 
-    from rl.config import load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -251,10 +251,10 @@ def run_k3rl_inproc(args: argparse.Namespace, model_dir: Path, tasks: list[dict]
 
     import torch
 
-    from rl.learner import Learner, LearnerConfig
-    from rollout.agent_loop import AgentLoop, EpisodeRequest
-    from rollout.engine import SamplingParams
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rl.train.learner import Learner, LearnerConfig
+    from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+    from k3rl.rollout.engine import SamplingParams
+    from k3rl.rollout.torch_engine import TorchEngine
 
     torch.manual_seed(args.seed)
     engine = TorchEngine.from_pretrained(str(model_dir), seed=args.seed)
@@ -306,8 +306,8 @@ def child(args: argparse.Namespace) -> None:
 
 def check_reward(task: dict) -> None:
     """Both reward paths accept the gold answer and reject a wrong one, so a zero reward means a wrong completion."""
-    from envs.base import run_episode
-    from envs.tools import format_call
+    from k3rl.envs.base import run_episode
+    from k3rl.envs.tools import format_call
 
     for given, expected in ((task["answer"], 1.0), ("not-" + task["answer"], 0.0)):
         text = format_call("answer", {"text": given})
@@ -321,7 +321,7 @@ def check_prompts(model_dir: Path, tasks: list[dict]) -> tuple[int, float]:
     """TRL's prompt token ids (its `apply_chat_template` call) equal k3rl's (`ChatRenderer`) for every task."""
     from transformers import AutoTokenizer
 
-    from rollout.chat import ChatRenderer
+    from k3rl.rollout.chat import ChatRenderer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     renderer = ChatRenderer(tokenizer)
@@ -415,7 +415,7 @@ def table(rows: dict[str, dict], floor_s: float) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    from rollout.tiny_qwen3 import build_tiny_qwen3
+    from k3rl.rollout.tiny_qwen3 import build_tiny_qwen3
 
     if args.quick:
         args.prompts, args.generations, args.max_new_tokens, args.steps, args.rounds = 4, 2, 16, 2, 1

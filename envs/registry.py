@@ -12,7 +12,7 @@ A config names an environment in one of three ways (``resolve`` turns each into 
 * ``module.path:ClassName``: a class (or factory) in the user's own module. The module is
   imported as Python would, and also from the current directory (as ``python -m`` does), so
   ``env.name=guess_env:Guess`` works beside ``guess_env.py``. ``user_module_path`` tells the
-  driver which file or package to ship to Ray workers (rl/cluster.py) so that they import it too.
+  driver which file or package to ship to Ray workers (rl/orchestrator/cluster.py) so that they import it too.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import importlib.metadata
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
-from envs.base import Env
+from k3rl.envs.base import Env
 
-BUILTIN_MODULES = ("envs.search", "envs.longctx")
+BUILTIN_MODULES = ("k3rl.envs.search", "k3rl.envs.longctx")
 ENTRY_POINT_GROUP = "k3rl.envs"
 
-_REGISTRY: dict[str, "Entry"] = {}
+_REGISTRY: dict[str, Entry] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -168,6 +169,8 @@ def user_module_path(name: str) -> Path | None:
     if ":" not in name:
         return None
     resolve(name)  # imports it
+    if name.startswith("k3rl."):
+        return None
     top = sys.modules[name.partition(":")[0].split(".")[0]]
     path = Path(top.__path__[0]) if hasattr(top, "__path__") else Path(top.__file__)
     installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib", "stdlib")}
@@ -192,7 +195,7 @@ def protocol_texts() -> list[str]:
     (preamble, call syntax, tool schemas) and one call of each tool. Tokenizers are trained
     on these as well as on prose (`k3rl init`), so the JSON of schemas and calls costs a few
     tokens per word rather than a few per character."""
-    from envs import tools as T
+    from k3rl.envs import tools as T
 
     _load_builtins()
     texts, stack, seen = [], list(Env.__subclasses__()), set()
@@ -229,6 +232,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # Run through the package module so built-ins register into the same registry.
-    from envs.registry import main as _main
+    from k3rl.envs.registry import main as _main
 
     sys.exit(_main(sys.argv[1:]))

@@ -36,15 +36,16 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from envs import scoring
-from envs.base import Env, Policy
-from envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
-from envs.registry import register
-from envs.search_oracle import SearchOracle
-from envs.tools import TOOL_PROMPT_STYLES, ToolError, tool
+from k3rl.envs import scoring
+from k3rl.envs.base import Env, Policy
+from k3rl.envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
+from k3rl.envs.registry import register
+from k3rl.envs.search_oracle import SearchOracle
+from k3rl.envs.tools import TOOL_PROMPT_STYLES, ToolError, tool
 
 _CORPORA: dict[str, Corpus] = {}
 
@@ -54,7 +55,7 @@ def get_corpus(spec: Corpus | CorpusConfig | str) -> Corpus:
     if isinstance(spec, Corpus):
         return spec
     if isinstance(spec, str) and spec.endswith((".yaml", ".yml")):
-        from envs.corpus_cli import read_config
+        from k3rl.rl.commands.corpus import read_config
 
         spec = read_config(spec, [])
     key = json.dumps(asdict(spec), sort_keys=True) if isinstance(spec, CorpusConfig) else spec
@@ -289,7 +290,7 @@ def wiki_tasks(corpus: Corpus, n: int, seed: int = 0) -> list[dict[str, Any]]:
     Kept: descriptions of at least three words, unique in the collection, sharing no
     word with the title (so the title cannot be read off the question).
     """
-    from envs.sources import wiki_records
+    from k3rl.envs.sources import wiki_records
 
     records = [r for r in wiki_records() if corpus.passage(f"{r['id']}#0") is not None]
     counts: dict[str, int] = {}
@@ -310,7 +311,8 @@ def wiki_tasks(corpus: Corpus, n: int, seed: int = 0) -> list[dict[str, Any]]:
     return [
         {
             "id": f"wiki-{seed}-{i}",
-            "question": f'Which Wikipedia article is described as "{r["description"]}" (topic: {r.get("topic", "")})? Answer with its title.',
+            "question": (f'Which Wikipedia article is described as "{r["description"]}" '
+                         f'(topic: {r.get("topic", "")})? Answer with its title.'),
             "answers": [r["title"]],
             "evidence": [f"{r['id']}#0"],
             "hops": 1,

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from envs.base import last_observation
-from envs.tools import format_call
+from k3rl.envs.base import last_observation
+from k3rl.envs.tools import format_call
 
 
 class SearchOracle:

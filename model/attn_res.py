@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.attn_res import attn_res_mix as kernel_attn_res_mix
+from k3rl.kernels.attn_res import attn_res_mix as kernel_attn_res_mix
 
 
 class RMSNorm(nn.Module):
@@ -73,12 +73,12 @@ class ResidualStream:
     block_size: int | None
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, block_size: int | None) -> "ResidualStream":
+    def start(cls, embeddings: torch.Tensor, block_size: int | None) -> ResidualStream:
         """Layer 0 sees the embedding as its only source; it becomes B[0] at the first block write."""
         return cls((), embeddings, block_size)
 
     def mixer_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None
-                    ) -> tuple[torch.Tensor, "ResidualStream"]:
+                    ) -> tuple[torch.Tensor, ResidualStream]:
         """Input of layer `layer_idx`'s token mixer (before `input_layernorm`) and the updated stream."""
         if self.block_size is None:
             return self.partial, self
@@ -87,7 +87,7 @@ class ResidualStream:
             return x, ResidualStream((*self.blocks, self.partial), None, self.block_size)
         return x, self
 
-    def add(self, output: torch.Tensor) -> "ResidualStream":
+    def add(self, output: torch.Tensor) -> ResidualStream:
         """Accumulate a sublayer output into P (a new block starts with its mixer output)."""
         partial = output if self.partial is None else self.partial + output
         return ResidualStream(self.blocks, partial, self.block_size)

@@ -43,7 +43,7 @@ class StepInfo:
     """[B, T] False at left-padding tokens; None when every token is real."""
     pad: torch.Tensor
     """[B] left-padding columns of each row (they sit at the start of the cache)."""
-    cache: "K3Cache | None"
+    cache: K3Cache | None
     documents: torch.Tensor | None = None
     """[B, T] int64 document of each token, counted from 0 in each row (packed rows, no cache); None when
     every row is one sequence."""
@@ -105,7 +105,7 @@ class K3Cache:
 
     @classmethod
     def create(cls, config, batch_size: int, capacity: int = 256, dtype: torch.dtype = torch.float32,
-               device="cpu") -> "K3Cache":
+               device="cpu") -> K3Cache:
         """An empty cache for `batch_size` sequences with room for `capacity` tokens each."""
         if batch_size <= 0 or capacity < 0:
             raise ValueError(f"batch_size/capacity: need batch_size > 0 and capacity ≥ 0, got {batch_size}, {capacity}")
@@ -152,16 +152,16 @@ class K3Cache:
         mla = n_mla * num_tokens * (config.kv_lora_rank + config.qk_rope_head_dim) * item
         return batch_size * (kda + mla)
 
-    def snapshot(self) -> "K3Cache":
+    def snapshot(self) -> K3Cache:
         """A deep copy trimmed to the tokens held (capacity = seq_len)."""
         return self._rebuild(torch.arange(self.batch_size, device=self.device), capacity=self.seq_len)
 
-    def restore(self, snapshot: "K3Cache") -> None:
+    def restore(self, snapshot: K3Cache) -> None:
         """Make this cache equal to `snapshot` (which stays usable for further restores)."""
         copy = snapshot._rebuild(torch.arange(snapshot.batch_size, device=snapshot.device), snapshot.capacity)
         self.__dict__.update(copy.__dict__)
 
-    def select(self, index: torch.Tensor | list[int]) -> "K3Cache":
+    def select(self, index: torch.Tensor | list[int]) -> K3Cache:
         """A new cache whose row r is row index[r] of this one (reorder, drop or repeat sequences)."""
         index = torch.as_tensor(index, dtype=torch.long, device=self.device)
         if index.ndim != 1 or index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= self.batch_size:
@@ -169,7 +169,7 @@ class K3Cache:
         return self._rebuild(index, self.capacity)
 
     @staticmethod
-    def stack(caches: list["K3Cache"], capacity: int = 0) -> "K3Cache":
+    def stack(caches: list[K3Cache], capacity: int = 0) -> K3Cache:
         """One batch of every row of `caches`, in order, left-padded to the longest; room for `capacity` tokens.
 
         A row keeps its real tokens only (its own padding dropped) and is shifted right so that all rows end
@@ -200,7 +200,7 @@ class K3Cache:
                 row += 1
         return new
 
-    def unstack(self, index: torch.Tensor | list[int] | None = None) -> list["K3Cache"]:
+    def unstack(self, index: torch.Tensor | list[int] | None = None) -> list[K3Cache]:
         """Rows `index` (default all) as one-sequence caches holding their real tokens only (no padding,
         capacity = length): the inverse of `stack`, e.g. to keep a sequence's state after its batch is gone."""
         rows = range(self.batch_size) if index is None else torch.as_tensor(index).tolist()
@@ -218,7 +218,7 @@ class K3Cache:
             out.append(one)
         return out
 
-    def _rebuild(self, index: torch.Tensor, capacity: int) -> "K3Cache":
+    def _rebuild(self, index: torch.Tensor, capacity: int) -> K3Cache:
         new = K3Cache.__new__(K3Cache)
         new.__dict__.update(self.__dict__)
         new.batch_size, new.capacity = index.numel(), capacity

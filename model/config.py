@@ -126,14 +126,14 @@ class ModelConfig:
     media_placeholder_token_id: Optional[int] = None
     """Token whose embedding rows are replaced by image patch embeddings; null: no images."""
     checkpoint_layout: Optional[str] = None
-    """On-disk layout of saved models (model/hf_layout.py): `kimi_linear` (text-only Kimi-Linear,
+    """On-disk layout of saved models (model/formats/layouts.py): `kimi_linear` (text-only Kimi-Linear,
     `KimiLinearForCausalLM`), `kimi_k3` (`KimiK3ForConditionalGeneration`, text weights under
     `language_model.`), or null: `kimi_k3` when images are on (`media_placeholder_token_id` set), else
     `kimi_linear`."""
 
 
 CHECKPOINT_LAYOUTS = (None, "kimi_linear", "kimi_k3")
-"""Values of `ModelConfig.checkpoint_layout` (null: chosen by the image setting, model/hf_layout.py `layout_for`)."""
+"""Values of `ModelConfig.checkpoint_layout` (null: chosen by the image setting, model/formats/layouts.py `layout_for`)."""
 
 _NESTED = {"linear_attn_config": LinearAttnConfig, "router_balance": RouterBalanceConfig}
 
@@ -333,7 +333,7 @@ def _define_k3_config() -> type:
         naming the field (`validate_model_config`). `model_type` is "k3rl_k3", in memory only:
         transformers already owns "kimi_linear" (a different module layout), so ours registers its
         own name; on disk a K3 directory is always one of the released layouts, written and read by
-        model/hf_layout.py (which reads the old "k3rl_k3" directories too).
+        model/formats/layouts.py (which reads the old "k3rl_k3" directories too).
         """
 
         model_type = "k3rl_k3"
@@ -346,7 +346,7 @@ def _define_k3_config() -> type:
             super().__init__(**values, **kwargs)
 
         @classmethod
-        def from_model_config(cls, cfg: Any, **kwargs: Any) -> "K3Config":
+        def from_model_config(cls, cfg: Any, **kwargs: Any) -> K3Config:
             """From a `ModelConfig`, an OmegaConf `model:` section or a dict."""
             return cls(**_to_plain(cfg), **kwargs)
 

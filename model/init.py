@@ -1,9 +1,9 @@
 """`init_model`: a randomly initialised K3 (and, for small vocabularies, its tokenizer) as a Hugging Face directory.
 
-The directory is in the released layout the config chooses (model/hf_layout.py `layout_for`: `kimi_k3` with
+The directory is in the released layout the config chooses (model/formats/layouts.py `layout_for`: `kimi_k3` with
 images on, else `kimi_linear`), readable by vLLM and by transformers with `trust_remote_code=True`.
 
-What `k3rl init` (model/cli.py) and the SFT and quickstart drivers call. The directory is written to
+What `k3rl init` (rl/commands/model_tools.py) and the SFT and quickstart drivers call. The directory is written to
 a temporary sibling and renamed, so a crash never leaves half a directory. The tokenizer is a
 byte-level BPE trained on the built-in wiki text and the environments' tool protocol
 (`envs.registry.protocol_texts`), for vocabularies up to `TOKENIZER_MAX_VOCAB`; it is trained
@@ -36,7 +36,7 @@ class InitResult:
 
 def fits_in_memory(config: Any, fraction: float = 0.8) -> tuple[bool, float, float]:
     """Whether the fp32 weights of `config` take at most `fraction` of this machine's memory; (ok, GiB needed, GiB there)."""
-    from model.params import count_parameters
+    from k3rl.model.params import count_parameters
 
     need = count_parameters(config)["total"] * 4
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -49,8 +49,8 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool 
     Raises ValueError if `out_dir` exists and is not empty, or the weights do not fit in memory."""
     import torch
 
-    from model.hf_layout import save_model
-    from model.modeling import K3ForCausalLM
+    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.modeling import K3ForCausalLM
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -75,9 +75,9 @@ def train_builtin_tokenizer(config: Any):
     """The built-in byte-level BPE tokenizer for `config` (its special-token ids must be the built-in ones)."""
     from itertools import chain
 
-    from envs.corpus import builtin_texts
-    from envs.registry import protocol_texts
-    from model.tokenizer import MEDIA_PLACEHOLDER_ID, train_tokenizer
+    from k3rl.envs.corpus import builtin_texts
+    from k3rl.envs.registry import protocol_texts
+    from k3rl.model.tokenizer import MEDIA_PLACEHOLDER_ID, train_tokenizer
 
     expected = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     for name, value in expected.items():

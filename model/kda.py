@@ -25,9 +25,9 @@ import math
 import torch
 from torch import nn
 
-from kernels.kda import FusedGate, kda_chunk, kda_recurrent
-from kernels.short_conv import causal_conv1d
-from model.cache import StepInfo
+from k3rl.kernels.kda import FusedGate, kda_chunk, kda_recurrent
+from k3rl.kernels.short_conv import causal_conv1d
+from k3rl.model.cache import StepInfo
 
 _FP32_PARAMS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 

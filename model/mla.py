@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model.attn_res import RMSNorm
-from model.cache import StepInfo
+from k3rl.model.attn_res import RMSNorm
+from k3rl.model.cache import StepInfo
 
 SCORE_BUDGET = 1 << 24
 """Most attention scores (B·H·queries·keys) one step holds at once; a cached prefill step above it attends
@@ -129,7 +129,7 @@ class MultiheadLatentAttention(nn.Module):
         """The absorbed form, `rows` queries at a time, each block over the keys up to its last query. A block
         of real tokens masks only what it must — the padding keys at the front, its own future in the diagonal
         tile — instead of building a [t, keys] mask; a block holding padding queries takes the full mask.
-        Under grad (segment-recurrent training, rl/segments.py) each block is recomputed in backward, so the
+        Under grad (segment-recurrent training, rl/train/segments.py) each block is recomputed in backward, so the
         scores of one block at a time are held, never a segment × sequence matrix."""
         B, S, D = latent.shape
         T, H = q_nope.shape[1], self.num_heads

@@ -20,7 +20,8 @@ computed exactly as if it were alone (KDA/conv states reset, MLA attends within 
 Checkpoint names are those of the text-only Kimi-Linear/K3 layout (`model.embed_tokens`,
 `model.layers.{i}.self_attn.*`, `….block_sparse_moe.*` or `….mlp.*`, `model.norm`,
 `model.output_attn_res_*`, `lm_head`), so `save_pretrained` output maps one to one onto the
-released tensors (the stacked routed experts are written per expert, model/hf_names.py) (plus `model.patch_embed.proj` when images are enabled). The Auto classes
+released tensors (the stacked routed experts are written per expert, model/formats/names.py) (plus
+`model.patch_embed.proj` when images are enabled). The Auto classes
 are registered under model_type "k3rl_k3" (transformers ships its own "kimi_linear" with a
 different module layout). MTP layers (§10) and the ViT tower are not built.
 """
@@ -37,14 +38,14 @@ from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from model.attn_res import RMSNorm, ResidualStream
-from model.cache import K3Cache, StepInfo, make_step
-from model.config import K3Config
-from model.hf_names import register_expert_conversion
-from model.kda import KimiDeltaAttention, ShortConv
-from model.mla import MultiheadLatentAttention
-from model.moe import Experts, Router, build_ffn, is_moe_layer
-from model.vision import PatchEmbed
+from k3rl.model.attn_res import ResidualStream, RMSNorm
+from k3rl.model.cache import K3Cache, StepInfo, make_step
+from k3rl.model.config import K3Config
+from k3rl.model.formats.names import register_expert_conversion
+from k3rl.model.kda import KimiDeltaAttention, ShortConv
+from k3rl.model.mla import MultiheadLatentAttention
+from k3rl.model.moe import Experts, Router, build_ffn, is_moe_layer
+from k3rl.model.vision import PatchEmbed
 
 
 class AttnResProj(nn.Linear):
@@ -108,7 +109,7 @@ class K3PreTrainedModel(PreTrainedModel):
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, Experts):
             # expert by expert, w1 w2 w3: the draws of the per-expert nn.Linear modules they replace
-            for e, weights in enumerate(module.per_expert()):
+            for weights in module.per_expert():
                 for name, w in zip(("w1", "w2", "w3"), weights):
                     if not getattr(getattr(module, name), "_is_hf_initialized", False):
                         init.normal_(w, mean=0.0, std=std)

@@ -2,7 +2,7 @@
 
 Checkpoint names and shapes are those of docs/model_spec.md §4.6 (`mlp.{gate,up,down}_proj`,
 `block_sparse_moe.gate.{weight,e_score_correction_bias}`, `experts.{e}.w{1,2,3}` (held stacked here,
-per-expert in checkpoints: model/hf_names.py),
+per-expert in checkpoints: model/formats/names.py),
 `shared_experts.*`, `routed_expert_{down_proj,norm,up_proj}`); the math is §8:
 router logits in (at least) fp32 → sigmoid (or softmax) scores `s` → top-k of the biased scores `s + b`
 (DeepSeek grouped top-k when `num_expert_group > 1`) → weights from the unbiased `s`,
@@ -18,7 +18,7 @@ scores); every forward leaves the ids it used in `MoE.last_expert_ids` so rollou
 Router balancing (docs/model_spec.md Part A) adjusts `e_score_correction_bias` after each optimizer step
 from statistics the routers collect during that step's forward passes (`Router._record`: the loads and,
 for quantile balancing, the margins of every counted token); the update itself, with its all-reduce over
-learner ranks, is training code: rl/router_balance.py. This module stays single-device.
+learner ranks, is training code: rl/train/router_balance.py. This module stays single-device.
 
 Departures and choices:
 * With grouped top-k the margins are computed as for a plain top-k over all experts (exact
@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import SituGLU, routed_experts
-from kernels.situ import situ_glu
-from model.config import RouterBalanceConfig
+from k3rl.kernels.moe import SituGLU, routed_experts
+from k3rl.kernels.situ import situ_glu
+from k3rl.model.config import RouterBalanceConfig
 
 BALANCE_METHODS = ("quantile", "sign", "none")
 
@@ -97,7 +97,7 @@ class Experts(nn.Module):
     per projection, `w1` (gate) and `w3` (up) [E, I, d_m], `w2` (down) [E, d_m, I], each row block
     `w*[e]` in `nn.Linear` layout — and run through `kernels.moe.routed_experts` (`impl`: `auto` — Triton
     on CUDA, `grouped` on the CPU — or `triton`, `grouped`, the `naive` per-expert loop). Checkpoints keep
-    the per-expert names `experts.{e}.w{1,2,3}.weight`: model/hf_names.py converts at save and load."""
+    the per-expert names `experts.{e}.w{1,2,3}.weight`: model/formats/names.py converts at save and load."""
 
     def __init__(self, config: Any, width: int):
         super().__init__()

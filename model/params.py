@@ -31,10 +31,10 @@ def count_parameters(config) -> dict:
     import torch
     from torch import nn
 
-    from model.attn_res import RMSNorm
-    from model.modeling import AttnResProj, K3DecoderLayer
-    from model.moe import is_moe_layer
-    from model.vision import PatchEmbed
+    from k3rl.model.attn_res import RMSNorm
+    from k3rl.model.modeling import AttnResProj, K3DecoderLayer
+    from k3rl.model.moe import is_moe_layer
+    from k3rl.model.vision import PatchEmbed
 
     def kind(i: int) -> tuple[bool, bool]:
         return config.is_kda_layer(i), is_moe_layer(config, i)

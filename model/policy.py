@@ -1,10 +1,10 @@
 """`Policy`: one loaded policy — k3rl's K3 or any Hugging Face causal LM — behind the few operations the
-toolkit needs, so the learner (rl/learner.py), SFT (through the learner: rl/supervised.py), the native engine
+toolkit needs, so the learner (rl/train/learner.py), SFT (through the learner: rl/train/supervised.py), the native engine
 (rollout/torch_engine.py) and the self-check ask one object instead of each probing the model.
 
 - `load_policy(path, dtype, device)`: an HF directory (config.json required); a K3 directory (released
-  layouts or k3rl's old one, by config.json's model_type) is read by model/hf_layout.py, any other causal LM
-  by transformers' Auto classes (a directory's own code only with `trust_remote_code`, model/trust.py);
+  layouts or k3rl's old one, by config.json's model_type) is read by model/formats/layouts.py, any other causal LM
+  by transformers' Auto classes (a directory's own code only with `trust_remote_code`, model/formats/trust.py);
   dropout is switched off.
 - `is_k3`: answered once, by type.
 - `final_hidden(input_ids, attention_mask, routed_expert_ids, rows, position_ids)`: the hidden states the LM
@@ -33,19 +33,20 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from model.logprobs import selected_logprobs
+from k3rl.model.logprobs import selected_logprobs
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                dropout: bool = False, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> "Policy":
-    """The policy of an HF directory (K3 in any layout model/hf_layout.py reads, or any causal LM) in `dtype` on
+                dropout: bool = False, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> Policy:
+    """The policy of an HF directory (K3 in any layout model/formats/layouts.py reads, or any causal LM) in `dtype` on
     `device`; its dropout is switched off (RL compares the policy with itself) unless `dropout`. A directory whose
-    config.json asks for its own model code (`auto_map`) is loaded only with `trust_remote_code` (model/trust.py);
+    config.json asks for its own model code (`auto_map`) is loaded only with `trust_remote_code` (model/formats/trust.py);
     a K3 directory never runs its code (k3rl reads it natively). Either kind is verified against its `COMPLETE`
     manifest when it has one, and NaN/±inf weights are a `NonFiniteWeightsError` naming the tensors unless
-    `allow_nonfinite` (model/integrity.py)."""
-    from model import hf_layout, integrity
-    from model.trust import check_remote_code
+    `allow_nonfinite` (model/formats/integrity.py)."""
+    from k3rl.model.formats import integrity
+    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats.trust import check_remote_code
 
     path = Path(path)
     if hf_layout.is_k3_dir(path):  # K3 has no dropout
@@ -130,7 +131,7 @@ class Policy:
         """Hidden states after the final norm of `rows` [B, T] (→ [N, d]) of B sequences that all start with
         `prefix` [1, P] and go on with `input_ids` [B, T] (right-padded, `valid` 0 on padding): the prefix is
         computed once and its cache repeated to the rows, one autograd graph, so gradients reaching the prefix
-        are summed over the rows (group prefix sharing, rl/segments.py). K3: its hybrid cache (routing replayed
+        are summed over the rows (group prefix sharing, rl/train/segments.py). K3: its hybrid cache (routing replayed
         with `prefix_routed` / `routed_expert_ids`); other models: their KV cache, positions continuing after P."""
         B, T = input_ids.shape
         P = prefix.shape[1]
@@ -244,7 +245,7 @@ class Policy:
 def _is_k3(model: Any) -> bool:
     model = getattr(model, "module", model)  # DDP / accelerate wrappers
     try:
-        from model.modeling import K3ForCausalLM
+        from k3rl.model.modeling import K3ForCausalLM
     except ImportError:  # pragma: no cover
         return False
     return isinstance(model, K3ForCausalLM)

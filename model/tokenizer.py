@@ -90,13 +90,13 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, **kwargs) 
 
     Every k3rl reader goes through here. A tokenizer that is itself remote code (the released Kimi tokenizer:
     `auto_map` in tokenizer_config.json) is imported only when `trust_remote_code` (the job's
-    `run.trust_remote_code`); otherwise model/trust.py's `RemoteCodeError` names the file. A kimi_k3 directory's
+    `run.trust_remote_code`); otherwise model/formats/trust.py's `RemoteCodeError` names the file. A kimi_k3 directory's
     config.json names k3rl's remote model code, which a tokenizer never needs: `kimi_k3_config_registered`
     keeps transformers from asking about it. A directory with a `COMPLETE` manifest is verified first
-    (model/integrity.py; hashed once per process)."""
-    from model.hf_layout import kimi_k3_config_registered
-    from model.integrity import verify_model_dir
-    from model.trust import check_remote_code
+    (model/formats/integrity.py; hashed once per process)."""
+    from k3rl.model.formats.integrity import verify_model_dir
+    from k3rl.model.formats.layouts import kimi_k3_config_registered
+    from k3rl.model.formats.trust import check_remote_code
 
     verify_model_dir(path)
     trust = check_remote_code(path, trust_remote_code, model=False) if Path(path).is_dir() else trust_remote_code

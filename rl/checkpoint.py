@@ -24,7 +24,7 @@ directory that holds a `COMPLETE` manifest (a crash between the rename and the p
 loses nothing) and ignores temp, trash and manifest-less directories. `verify` checks the manifest
 against the files on disk — size and content hash of every file (manifests written before hashes
 existed are checked by size) — so a flipped byte anywhere is a `CorruptCheckpointError` naming the
-file. The manifest, `verify` and the errors live in model/integrity.py (re-exported here), because every load of a
+file. The manifest, `verify` and the errors live in model/formats/integrity.py (re-exported here), because every load of a
 model directory verifies it, not only a resume; `check_model_path` is the commands' check of a model directory
 before any work (manifest, files, shapes, dtypes, finite weights), a ConfigError naming the key. A newest
 checkpoint that does not verify is skipped for the newest one that does only when the
@@ -47,16 +47,24 @@ import random
 import re
 import secrets
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 # the manifest and its verification live in model/ (every model load verifies it); re-exported here
-from model.integrity import (COMPLETE, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError,
-                             file_manifest, sha256_file, verify)
+from k3rl.model.formats.integrity import (
+    COMPLETE,
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    file_manifest,
+    sha256_file,
+    verify,
+)
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
@@ -214,14 +222,15 @@ class CheckpointManager:
 
 def check_model_path(key: str, path: str | Path, *, trains: bool = False, allow_nonfinite: bool = False,
                      weights: bool = True) -> None:
-    """A command's check of a model directory before any work (model/hf_layout.py `check_model_dir`: the manifest
+    """A command's check of a model directory before any work (model/formats/layouts.py `check_model_dir`: the manifest
     when there is one, shard set, names, shapes, dtypes, finite values; one tensor in memory at a time): any
     failure is a ConfigError naming `key`, the directory and the file or tensor, which the commands exit 2 with.
 
     `trains`: the model is trained, so NaN/inf weights are refused whatever `allow_nonfinite` says. `weights=False`:
     only the manifest (a directory used for its tokenizer)."""
-    from model import hf_layout, integrity
-    from rl.config import ConfigError
+    from k3rl.model.formats import integrity
+    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.rl.config import ConfigError
 
     try:
         if not weights:
@@ -251,7 +260,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def _is_trajectory_list(value: Any) -> bool:
-    from rollout.trajectory import Trajectory
+    from k3rl.rollout.trajectory import Trajectory
 
     return isinstance(value, list) and len(value) > 0 and all(isinstance(t, Trajectory) for t in value)
 
@@ -262,7 +271,7 @@ def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> None:
     Non-empty lists of `Trajectory` (unconsumed trajectories, partial groups, …) are written as
     `trajectories-<key>.parquet`; everything else, plus the driver's RNG states, to trainer_state.pt.
     """
-    from rollout.trajectory import save_trajectories
+    from k3rl.rollout.trajectory import save_trajectories
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -284,7 +293,7 @@ def load_trainer_state(directory: str | Path, restore_rng_state: bool = True) ->
 
     `directory` must be a complete checkpoint (verified first).
     """
-    from rollout.trajectory import load_trajectories
+    from k3rl.rollout.trajectory import load_trajectories
 
     directory = Path(directory)
     verify(directory)

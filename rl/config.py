@@ -24,7 +24,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from model.config import ModelConfig
+from k3rl.model.config import ModelConfig
 
 
 class ConfigError(ValueError):
@@ -44,11 +44,11 @@ class RunConfig:
     trust_remote_code: bool = False
     """Whether a model directory's own Python code (an `auto_map` in its tokenizer_config.json or config.json:
     `tokenization_*.py`, `modeling_*.py`) may be imported, by every command and Ray worker of the job, and copied
-    into checkpoints. Off: such a directory is refused by name (model/trust.py); k3rl's own K3 directories never
+    into checkpoints. Off: such a directory is refused by name (model/formats/trust.py); k3rl's own K3 directories never
     need it."""
     allow_nonfinite_weights: bool = False
     """Whether a model directory holding NaN/±inf weights may be loaded (`k3rl eval`; off: refused by name, naming
-    the tensors, model/integrity.py). Training refuses them regardless: no step can be taken from them."""
+    the tensors, model/formats/integrity.py). Training refuses them regardless: no step can be taken from them."""
 
 
 @dataclass
@@ -76,13 +76,13 @@ EngineName = StrEnum("EngineName", {"torch": "torch", "vllm": "vllm"})
 BadRows = StrEnum("BadRows", {"refuse": "refuse", "skip": "skip"})
 """A task-file row that is not JSON or not a task of the environment: refused or skipped."""
 Optimizer = StrEnum("Optimizer", {"adamw": "adamw", "muon": "muon"})
-"""The learner's optimizer (rl/optim.py)."""
+"""The learner's optimizer (rl/train/optim.py)."""
 DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "float64")})
 """The learner's parameter dtype."""
 PartialResume = StrEnum("PartialResume", {"reprefill": "reprefill", "keep_state": "keep_state"})
 """How a paused episode continues under new weights (`rollout.partial_resume`)."""
 LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_warmup", "linear", "cosine", "wsd")})
-"""The learning-rate schedule over optimizer steps (transformers' schedulers of these names; rl/optim.py)."""
+"""The learning-rate schedule over optimizer steps (transformers' schedulers of these names; rl/train/optim.py)."""
 
 
 @dataclass
@@ -183,13 +183,13 @@ class EnvSection:
     (a named error before anything runs) or `skip` (left out; the count and the first rows are printed)."""
     success_key: Optional[str] = None
     """Reward component (`Trajectory.rewards`) that marks success when ≥ 1; null: the environment's own rule
-    (`Env.success_metric`, e.g. `em`; none declared: reward ≥ 1). See rl/evaluate.py."""
+    (`Env.success_metric`, e.g. `em`; none declared: reward ≥ 1). See rl/eval/evaluate.py."""
 
 
 @dataclass
 class LearnerSettings:
     """The `learner:` section: how the policy is optimised, for every objective the learner trains
-    (rl/learner.py `LearnerConfig` adds what the driver decides: model, algorithm, seed, device)."""
+    (rl/train/learner.py `LearnerConfig` adds what the driver decides: model, algorithm, seed, device)."""
 
     lr: float = 1e-5
     """Peak learning rate of the optimizer."""
@@ -240,19 +240,19 @@ class LearnerSettings:
     """At most this many sequences per micro-batch besides the token budget; null: no limit."""
     segment_tokens: Optional[int] = None
     """K3: train a sequence (or shared prompt) longer than this segment by segment — the forward keeps only the
-    state at each boundary, the backward recomputes one segment at a time (rl/segments.py): activation memory of
+    state at each boundary, the backward recomputes one segment at a time (rl/train/segments.py): activation memory of
     one segment, same loss and gradients, one more forward. null: whole sequences."""
     share_prefix: bool = True
     """The samples of a group share their prompt: forward and backward it once and branch from its state (K3: the
     hybrid cache, the prompt's tokens counted once in the router statistics; other models: their KV cache;
-    rl/segments.py)."""
+    rl/train/segments.py)."""
     expert_parallel: int = 1
     """K3: split the routed experts of every MoE layer across this many learner ranks (all-to-all token dispatch,
-    rl/expert_parallel.py); the ranks form data-parallel replicas of `expert_parallel` ranks each, so the number of
+    rl/train/expert_parallel.py); the ranks form data-parallel replicas of `expert_parallel` ranks each, so the number of
     learner ranks (`rl.num_learners`) must be a multiple of it. 1: every rank holds every expert."""
     fsdp: bool = False
     """K3: shard parameters, gradients and optimizer states across the learner ranks with FSDP2 (the routed experts
-    across the data-parallel replicas, as they are already split by `expert_parallel`; rl/parallel.py). With
+    across the data-parallel replicas, as they are already split by `expert_parallel`; rl/train/parallel.py). With
     `expert_parallel > 1` or `fsdp` (and more than one rank) the learner runs only AdamW, no reference model
     (`algo.args.kl_coef: 0`), whole sequences (`segment_tokens: null`) and no prefix sharing (`share_prefix: false`),
     since every rank must run the same forward and backward passes."""
@@ -284,7 +284,7 @@ OptimizerHandoff = StrEnum("OptimizerHandoff", {"keep": "keep", "reset": "reset"
 
 @dataclass
 class DataSource:
-    """One pretraining corpus (rl/pretrain_data.py): read (every local file checked before any work: a bad one
+    """One pretraining corpus (rl/pretrain/data.py): read (every local file checked before any work: a bad one
     is `path:line: what is wrong`), its control-token strings neutralised, tokenized once and cached."""
 
     path: str = "wiki"
@@ -307,7 +307,7 @@ class DataSource:
 
 @dataclass
 class StageConfig:
-    """One stage of the staged context climb (8K → 64K → 256K → 1M); rl/pretrain.py."""
+    """One stage of the staged context climb (8K → 64K → 256K → 1M); rl/commands/pretrain.py."""
 
     seq_len: int = 8192
     """Tokens per packed row (documents packed to this length, their boundaries respected)."""
@@ -337,10 +337,10 @@ class StageConfig:
 
 @dataclass
 class PlanConfig:
-    """`k3rl pretrain CONFIG --plan`: the cluster the time estimate is for (rl/pretrain_plan.py)."""
+    """`k3rl pretrain CONFIG --plan`: the cluster the time estimate is for (rl/pretrain/plan.py)."""
 
     gpu: str = "h200"
-    """Accelerator of the named cluster (its peak dense bf16 FLOP/s and memory come from rl/pretrain_plan.py)."""
+    """Accelerator of the named cluster (its peak dense bf16 FLOP/s and memory come from rl/pretrain/plan.py)."""
     num_gpus: int = 1024
     mfu: float = 0.35
     """Model FLOPs utilisation assumed for the time estimate."""
@@ -350,7 +350,7 @@ class PlanConfig:
 
 @dataclass
 class PretrainConfig:
-    """Staged pretraining of the backbone (`k3rl pretrain`, rl/pretrain.py)."""
+    """Staged pretraining of the backbone (`k3rl pretrain`, rl/commands/pretrain.py)."""
 
     model_dir: Optional[str] = None
     """Hugging Face directory to start from; null: a random model from the `model:` section."""
@@ -504,7 +504,7 @@ class SFTConfig:
     """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
     eval_tasks: int = 0
     """Held-out tasks (`env.tasks(eval_tasks, seed=eval.seed)` minus training tasks) rolled out
-    greedily after training: success (rl/evaluate.py, the environment's rule or `env.success_key`), well-formed
+    greedily after training: success (rl/eval/evaluate.py, the environment's rule or `env.success_key`), well-formed
     tool calls; 0 skips."""
 
 
@@ -558,7 +558,7 @@ def load_model_config(path: str | Path, overrides: list[str] = ()) -> Any:
         return ("~" if item.startswith("~") else "") + "model." + bare
 
     cfg = load_config(path, [qualified(o) for o in overrides])
-    from model.config import K3Config
+    from k3rl.model.config import K3Config
 
     try:
         return K3Config.from_model_config(cfg.model)
@@ -568,8 +568,8 @@ def load_model_config(path: str | Path, overrides: list[str] = ()) -> Any:
 
 def check_model_code(cfg: Any, key: str, path: str | Path, model: bool = True) -> None:
     """A ConfigError naming `key` when the model directory `path` asks to run its own code (an `auto_map`;
-    only the tokenizer's unless `model`) and `run.trust_remote_code` is off (model/trust.py): before any work."""
-    from model.trust import RemoteCodeError, check_remote_code
+    only the tokenizer's unless `model`) and `run.trust_remote_code` is off (model/formats/trust.py): before any work."""
+    from k3rl.model.formats.trust import RemoteCodeError, check_remote_code
 
     try:
         check_remote_code(path, bool(cfg.run.trust_remote_code), model=model)

@@ -26,8 +26,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 METRICS_FILE = "metrics.jsonl"
 Z95 = 1.959963984540054

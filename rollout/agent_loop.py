@@ -31,16 +31,17 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from envs.base import Budget, Env, Episode
-from envs.tools import STOP_SEQUENCES
-from rollout.chat import ChatRenderer
-from rollout.engine import Engine, SamplingParams, SessionEngine
-from rollout.trajectory import Trajectory, TrajectoryBuilder
+from k3rl.envs.base import Budget, Env, Episode
+from k3rl.envs.tools import STOP_SEQUENCES
+from k3rl.rollout.chat import ChatRenderer
+from k3rl.rollout.engine import Engine, SamplingParams, SessionEngine
+from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 
 
 @dataclass

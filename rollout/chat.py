@@ -31,7 +31,8 @@ unchanged, token for token.
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _SENTINEL = "\x00K3RL-SENTINEL\x00"
 WORD_JOINER = "\u2060"
@@ -47,13 +48,13 @@ def control_strings(tokenizer, special_only: bool = True) -> list[str]:
     return sorted((s for s in strings if len(s) > 1), key=len, reverse=True)
 
 
-def control_pattern(tokenizer, special_only: bool = True) -> "re.Pattern | None":
+def control_pattern(tokenizer, special_only: bool = True) -> re.Pattern | None:
     """One regex matching every string of `control_strings(tokenizer, special_only)` (None when there is none)."""
     strings = control_strings(tokenizer, special_only)
     return re.compile("|".join(map(re.escape, strings))) if strings else None
 
 
-def neutralize(text: str, pattern: "re.Pattern | None") -> tuple[str, int]:
+def neutralize(text: str, pattern: re.Pattern | None) -> tuple[str, int]:
     """`text` with every match of `pattern` (a `control_pattern`) broken by a word joiner after its first
     character, so the tokenizer reads it as ordinary text, and the number of matches broken. The one
     sanitiser of untrusted text: chat rendering (`ChatRenderer.sanitize`) and pretraining data use it."""
@@ -71,7 +72,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.tool_role = tool_role
         self.eos_token_id = tokenizer.eos_token_id
-        from envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
+        from k3rl.envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
         self._wrap = (TOOL_RESPONSE_START, TOOL_RESPONSE_END)
         self._specials = control_pattern(tokenizer)
@@ -140,7 +141,7 @@ def render_transcript(renderer: ChatRenderer, messages: Sequence[dict[str, Any]]
     count of each assistant turn). Messages after the last assistant turn (the terminal tool's
     result) are not part of a rollout and are left out.
     """
-    from envs.tools import STOP_SEQUENCES
+    from k3rl.envs.tools import STOP_SEQUENCES
 
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:

@@ -17,8 +17,9 @@ it, and calls plain `generate(prompts, params)` otherwise (vLLM reuses prefixes 
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 

@@ -20,8 +20,8 @@ forward, and a resumed prompt always has at least one new token to take its logi
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Hashable, Iterable
 
 import numpy as np
 

@@ -12,8 +12,8 @@ silently when it is forgotten).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

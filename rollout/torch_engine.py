@@ -40,14 +40,14 @@ reused) and continuous batching of new requests into a running batch.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
-from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from rollout.engine import Completion, SamplingParams
-from rollout.sessions import PrefillStats, Session, SessionStore
+from k3rl.rollout.engine import Completion, SamplingParams
+from k3rl.rollout.sessions import PrefillStats, Session, SessionStore
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -74,7 +74,7 @@ class TorchEngine:
 
     def __init__(self, model, tokenizer, device: str | torch.device = "cpu", seed: int = 0, max_batch: int = 64,
                  prefill_tokens: int = 2048, reuse_state: bool = True, resume_stale: bool = False):
-        from model.policy import Policy
+        from k3rl.model.policy import Policy
 
         self.model = model.to(device).eval()
         self.policy = Policy(self.model)
@@ -101,11 +101,11 @@ class TorchEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        trust_remote_code: bool = False, **kwargs) -> "TorchEngine":
+                        trust_remote_code: bool = False, **kwargs) -> TorchEngine:
         """The engine of an HF directory; the directory's own code runs only with `trust_remote_code`
-        (model/trust.py)."""
-        from model.policy import load_policy
-        from model.tokenizer import load_tokenizer
+        (model/formats/trust.py)."""
+        from k3rl.model.policy import load_policy
+        from k3rl.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
         policy = load_policy(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)

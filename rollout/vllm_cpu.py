@@ -32,8 +32,8 @@ def configure_cpu_env(overwrite: bool = False) -> dict[str, str]:
 def make_cpu_llm(model_dir: str, max_model_len: int = 1024, dtype: str = "float32", seed: int = 0,
                  trust_remote_code: bool = False, **kwargs):
     """A `vllm.LLM` for a local model directory with the CPU settings applied; the directory's own code runs
-    only with `trust_remote_code` (model/trust.py)."""
-    from model.trust import check_remote_code
+    only with `trust_remote_code` (model/formats/trust.py)."""
+    from k3rl.model.formats.trust import check_remote_code
 
     trust = check_remote_code(model_dir, trust_remote_code)
     configure_cpu_env()

@@ -11,7 +11,7 @@ update (it holds KV computed with the old weights).
 A model with untied embeddings must receive `lm_head.weight` in every update: an update without
 it silently keeps the old output layer, so `load_weights` refuses such an update.
 
-K3 checkpoints (model/hf_layout.py: `model_type` `kimi_linear` or `kimi_k3`) are served by vLLM's own
+K3 checkpoints (model/formats/layouts.py: `model_type` `kimi_linear` or `kimi_k3`) are served by vLLM's own
 Kimi-K3 implementation (`KimiLinearForCausalLM` / `KimiK3ForConditionalGeneration`), on CUDA only: its
 KDA, MLA and SiTU-MoE kernels have no CPU path (a K3 directory on a CPU host is refused, naming the torch
 engine). A kimi_k3 directory is served language-model-only (`language_model_only=True` unless given): k3rl
@@ -27,18 +27,18 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
-from rollout.engine import Completion, SamplingParams
+from k3rl.rollout.engine import Completion, SamplingParams
 
 
 def k3_layout(config: dict) -> str | None:
-    """The K3 checkpoint layout (model/hf_layout.py `LAYOUTS`, named by `model_type`) of a config.json dict, or
+    """The K3 checkpoint layout (model/formats/layouts.py `LAYOUTS`, named by `model_type`) of a config.json dict, or
     None for any other model."""
-    from model.hf_layout import LAYOUTS
+    from k3rl.model.formats.layouts import LAYOUTS
 
     model_type = config.get("model_type")
     return model_type if model_type in LAYOUTS else None
@@ -47,12 +47,12 @@ def k3_layout(config: dict) -> str | None:
 def released_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
                      layout: str | None) -> list[tuple[str, torch.Tensor]]:
     """Learner names → the names vLLM loads: for a K3 `layout`, k3rl's internal state-dict names become the
-    layout's released ones (model/hf_layout.py `to_released_names`: experts per expert, `language_model.` for
+    layout's released ones (model/formats/layouts.py `to_released_names`: experts per expert, `language_model.` for
     kimi_k3, `model.patch_embed.*` left out; any other name is refused, naming it); other models pass as they
     are."""
     if layout is None:
         return list(named_tensors)
-    from model.hf_layout import to_released_names
+    from k3rl.model.formats.layouts import to_released_names
 
     return list(to_released_names(dict(named_tensors), layout).items())
 
@@ -62,13 +62,13 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, max_model_len: int = 4096, dtype: str = "auto", seed: int = 0,
                  trust_remote_code: bool = False, **llm_kwargs):
-        from model.integrity import verify_model_dir
-        from model.trust import check_remote_code
+        from k3rl.model.formats.integrity import verify_model_dir
+        from k3rl.model.formats.trust import check_remote_code
 
         self.model_dir = Path(model_dir)
-        # vLLM reads the files itself: a directory with a COMPLETE manifest is verified first (model/integrity.py)
+        # vLLM reads the files itself: a directory with a COMPLETE manifest is verified first (model/formats/integrity.py)
         verify_model_dir(self.model_dir)
-        # vLLM imports a directory's tokenizer and model code only with this (model/trust.py)
+        # vLLM imports a directory's tokenizer and model code only with this (model/formats/trust.py)
         llm_kwargs["trust_remote_code"] = check_remote_code(self.model_dir, trust_remote_code)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.tied = bool(config.get("tie_word_embeddings", False))
@@ -84,7 +84,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(model=str(self.model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                                 **llm_kwargs)
         else:
-            from rollout.vllm_cpu import make_cpu_llm
+            from k3rl.rollout.vllm_cpu import make_cpu_llm
 
             self.llm = make_cpu_llm(str(self.model_dir), max_model_len=max_model_len,
                                     dtype="float32" if dtype == "auto" else dtype, seed=seed, **llm_kwargs)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from rollout.engine import SamplingParams
+from k3rl.rollout.engine import SamplingParams
 
 
 @dataclass
@@ -46,7 +47,7 @@ class WorkerSpec:
     partial_resume: str = "reprefill"
     """How a paused episode continues under new weights (rl/config.py `rollout.partial_resume`)."""
     trust_remote_code: bool = False
-    """Whether the model directory's own Python code may run (`run.trust_remote_code`, model/trust.py)."""
+    """Whether the model directory's own Python code may run (`run.trust_remote_code`, model/formats/trust.py)."""
 
 
 @dataclass
@@ -80,10 +81,10 @@ def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str
     if engine_args.get("reuse_state") is False:
         raise ValueError("rollout.partial_resume=keep_state continues the native engine's session states, which "
                          "rollout.engine_args.reuse_state=false turns off")
-    from model.hf_layout import MODEL_TYPES, model_type_of
+    from k3rl.model.formats.layouts import MODEL_TYPES, model_type_of
 
     model_type = model_type_of(model_dir)
-    if model_type not in MODEL_TYPES:  # any K3 layout (model/hf_layout.py)
+    if model_type not in MODEL_TYPES:  # any K3 layout (model/formats/layouts.py)
         raise ValueError(f"rollout.partial_resume=keep_state: the native engine keeps session states of K3 models "
                          f"only; {model_dir} is {model_type!r} (use partial_resume=reprefill)")
 
@@ -95,7 +96,7 @@ def engine_settings(engine: str) -> list[str]:
     import inspect
 
     if engine == "torch":
-        from rollout.torch_engine import TorchEngine
+        from k3rl.rollout.torch_engine import TorchEngine
 
         params = inspect.signature(TorchEngine.__init__).parameters
         return sorted(n for n in params if n != "self" and n not in _SET_BY_JOB)
@@ -121,13 +122,13 @@ def build_engine(spec: WorkerSpec):
     """The engine named by `spec.engine`, loaded from `spec.model_dir` (its own code only with
     `spec.trust_remote_code`)."""
     if spec.engine == "torch":
-        from rollout.torch_engine import TorchEngine
+        from k3rl.rollout.torch_engine import TorchEngine
 
         return TorchEngine.from_pretrained(spec.model_dir, device=spec.device, seed=spec.seed,
                                            resume_stale=spec.partial_resume == "keep_state",
                                            trust_remote_code=spec.trust_remote_code, **spec.engine_kwargs)
     if spec.engine == "vllm":
-        from rollout.vllm_engine import VLLMEngine
+        from k3rl.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(spec.model_dir, max_model_len=spec.max_context_tokens, seed=spec.seed,
                           trust_remote_code=spec.trust_remote_code, **spec.engine_kwargs)
@@ -138,8 +139,8 @@ class RolloutWorker:
     """Collects trajectories for tasks; see module docstring."""
 
     def __init__(self, spec: WorkerSpec):
-        import envs
-        from rollout.agent_loop import AgentLoop
+        import k3rl.envs as envs
+        from k3rl.rollout.agent_loop import AgentLoop
 
         check_partial_resume(spec.partial_resume, spec.engine, spec.engine_kwargs, spec.model_dir)
         self.spec = spec
@@ -160,7 +161,7 @@ class RolloutWorker:
                 sampling: SamplingParams | None = None) -> list:
         """Run `n_per_task` episodes of each (task_id, task); trajectories of a task share a group id.
         `sampling` overrides the worker's sampling for this call (e.g. greedy evaluation)."""
-        from rollout.agent_loop import EpisodeRequest
+        from k3rl.rollout.agent_loop import EpisodeRequest
 
         requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
                     for task_id, task in tasks for j in range(n_per_task)]
@@ -177,8 +178,8 @@ class RolloutWorker:
                         max_rounds: int = 1) -> PartialCollection:
         """Start `tasks` (as `collect`) and continue every episode paused by earlier calls, for at most
         `max_rounds` turns each; hand back the groups that ended and keep the others (see module docstring)."""
-        from rollout.agent_loop import EpisodeRequest, PausedEpisode
-        from rollout.trajectory import Trajectory
+        from k3rl.rollout.agent_loop import EpisodeRequest, PausedEpisode
+        from k3rl.rollout.trajectory import Trajectory
 
         requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
                     for task_id, task in tasks for j in range(n_per_task)]

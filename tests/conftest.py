@@ -35,8 +35,8 @@ def ray_cluster():
     """A local Ray cluster (2 CPUs, no dashboard) shared by the session's Ray tests."""
     import ray
 
-    from rl.cluster import init_ray
-    from rl.config import RayConfig
+    from k3rl.rl.config import RayConfig
+    from k3rl.rl.orchestrator.cluster import init_ray
 
     init_ray(RayConfig(address=None, num_cpus=2), log_to_driver=False)
     yield ray
@@ -46,7 +46,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     """A tiny HF Qwen3 (head_dim 32, untied) with a tokenizer trained locally."""
-    from rollout.tiny_qwen3 import build_tiny_qwen3
+    from k3rl.rollout.tiny_qwen3 import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
 
@@ -54,7 +54,7 @@ def tiny_qwen3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_cpu():
     """A factory of in-process CPU vLLM engines; torch uses one thread while they live."""
-    from rollout.vllm_cpu import configure_cpu_env, make_cpu_llm
+    from k3rl.rollout.vllm_cpu import configure_cpu_env, make_cpu_llm
 
     configure_cpu_env()
     threads = torch.get_num_threads()
@@ -67,7 +67,7 @@ def vllm_cpu():
 def vllm_engine(tiny_qwen3_dir, vllm_cpu):
     """One in-process VLLMEngine on the tiny Qwen3, shared by the session (tests that change its
     weights put the originals back)."""
-    from rollout.vllm_engine import VLLMEngine
+    from k3rl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(tiny_qwen3_dir, max_model_len=2048, seed=0)
 

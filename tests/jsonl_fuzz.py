@@ -15,8 +15,9 @@ import random
 import re
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 SWAPS: dict[str, Any] = {
     "null": None, "true": True, "zero": 0, "negative": -1, "float": 1.5, "empty-string": "", "blank": "  ",

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-K3RL = [shutil.which("k3rl") or sys.executable, *([] if shutil.which("k3rl") else ["-m", "rl.cli"])]
+K3RL = [shutil.which("k3rl") or sys.executable, *([] if shutil.which("k3rl") else ["-m", "k3rl.rl.commands.cli"])]
 
 
 def run(*args):
@@ -54,7 +54,7 @@ def test_make_run_calls_a_real_command():
     """`make run` is one of the README's two commands: the k3rl subcommand it calls must exist."""
     import re
 
-    from rl.cli import COMMANDS
+    from k3rl.rl.commands.cli import COMMANDS
 
     recipe = (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
     called = re.findall(r"k3rl (\w+)", recipe)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rl.config import ConfigError, JobConfig, load_config
+from k3rl.rl.config import ConfigError, JobConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -139,8 +139,8 @@ def test_every_learner_setting_reaches_the_learner_config():
     """`LearnerConfig.from_job` takes every field of the `learner:` section (none is dropped on the way)."""
     import dataclasses
 
-    from rl.config import LearnerSettings
-    from rl.learner import LearnerConfig
+    from k3rl.rl.config import LearnerSettings
+    from k3rl.rl.train.learner import LearnerConfig
 
     values = {"optimizer": "muon", "dtype": "bfloat16", "micro_batch_tokens": 123, "gradient_checkpointing": True,
               "routing_replay": False, "ref_model_path": "/ref", "lr": 0.25, "weight_decay": 0.5, "max_grad_norm": 3.0,
@@ -166,7 +166,7 @@ def test_every_learner_setting_reaches_the_learner_config():
 def test_every_old_recipe_key_has_a_new_place_in_the_schema():
     from omegaconf import OmegaConf
 
-    from rl.config import JobConfig, MOVED_KEYS
+    from k3rl.rl.config import MOVED_KEYS, JobConfig
 
     defaults = OmegaConf.structured(JobConfig)
     for old, new in MOVED_KEYS.items():
@@ -193,8 +193,8 @@ def test_choices_are_enums_checked_at_load(key, value, valid):
 
 def test_enum_choices_read_and_ship_as_plain_strings(tmp_path):
     """Members compare and print as their strings; the learner config Ray ships holds plain str."""
-    from rl.config import to_yaml
-    from rl.learner import LearnerConfig
+    from k3rl.rl.config import to_yaml
+    from k3rl.rl.train.learner import LearnerConfig
 
     cfg = load_config(None, ["rl.mode=async", "learner.optimizer=muon", "learner.dtype=bfloat16"])
     assert cfg.rl.mode == "async" and f"{cfg.rl.mode}" == "async"

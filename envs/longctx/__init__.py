@@ -23,17 +23,17 @@ checks, its haystacks and environments). Imports run one way, towards ``task.py`
 here is imported by envs/search.py.
 """
 
-from envs.longctx.aggregate import GOODS
-from envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS, SOLVERS
-from envs.longctx.haystack import PROMPT_CONTEXT, generate, haystack_pool, parse_context, pool_words, render_context
-from envs.longctx.ith import MEMO_ADJ, MEMO_OBJ, ORDINALS
-from envs.longctx.multihop import RELATIONS
-from envs.longctx.names import ENTITY_PATTERN
-from envs.longctx.needle import COLOURS, OBJECTS, ROLES
-from envs.longctx.oracles import ContextOracle, FamilySearchOracle, solve_in_context
-from envs.longctx.serving import PROMPT_SEARCH, PROMPT_SEARCH_MINIMAL, LongContextEnv, LongContextSearchEnv
-from envs.longctx.task import UNANSWERABLE, Fact, Instance, Passages, Solver
-from envs.longctx.taskfile import FILE_FAMILY, FileTask, TaskFile, TaskFileError, read_task_file
+from k3rl.envs.longctx.aggregate import GOODS
+from k3rl.envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS, SOLVERS
+from k3rl.envs.longctx.haystack import PROMPT_CONTEXT, generate, haystack_pool, parse_context, pool_words, render_context
+from k3rl.envs.longctx.ith import MEMO_ADJ, MEMO_OBJ, ORDINALS
+from k3rl.envs.longctx.multihop import RELATIONS
+from k3rl.envs.longctx.names import ENTITY_PATTERN
+from k3rl.envs.longctx.needle import COLOURS, OBJECTS, ROLES
+from k3rl.envs.longctx.oracles import ContextOracle, FamilySearchOracle, solve_in_context
+from k3rl.envs.longctx.serving import PROMPT_SEARCH, PROMPT_SEARCH_MINIMAL, LongContextEnv, LongContextSearchEnv
+from k3rl.envs.longctx.task import UNANSWERABLE, Fact, Instance, Passages, Solver
+from k3rl.envs.longctx.taskfile import FILE_FAMILY, FileTask, TaskFile, TaskFileError, read_task_file
 
 __all__ = [
     "COLOURS", "DEFAULTS", "ENTITY_PATTERN", "FAMILIES", "FILE_FAMILY", "GENERATORS", "GOODS", "MEMO_ADJ",

@@ -7,7 +7,7 @@ opt) -> Spec`` and ``solve(question) -> Solver``. A new family is a new module l
 
 from __future__ import annotations
 
-from envs.longctx import aggregate, ith, multihop, needle
+from k3rl.envs.longctx import aggregate, ith, multihop, needle
 
 _MODULES = {m.NAME: m for m in (needle, multihop, aggregate, ith)}
 

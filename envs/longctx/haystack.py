@@ -16,12 +16,12 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from envs.base import as_token_counter
-from envs.corpus import chunk_document
-from envs.longctx.families import DEFAULTS, GENERATORS
-from envs.longctx.names import Names
-from envs.longctx.task import Fact, Instance, Passages, template_regex
-from envs.sources import builtin_documents
+from k3rl.envs.base import as_token_counter
+from k3rl.envs.corpus import chunk_document
+from k3rl.envs.longctx.families import DEFAULTS, GENERATORS
+from k3rl.envs.longctx.names import Names
+from k3rl.envs.longctx.task import Fact, Instance, Passages, template_regex
+from k3rl.envs.sources import builtin_documents
 
 PROMPT_CONTEXT = (
     "Below is a long text split into passages with ids, then a question.\n\n<document>\n{document}\n</document>\n\n"

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from envs.longctx.names import Names
-from envs.longctx.task import UNANSWERABLE, Fact, Solver, Spec, template_pattern, template_regex
+from k3rl.envs.longctx.names import Names
+from k3rl.envs.longctx.task import UNANSWERABLE, Fact, Solver, Spec, template_pattern, template_regex
 
 NAME = "ith"
 SUMMARY = "Long-context order tracking: the i-th of m near-identical memos (MRCR-style)."

@@ -8,7 +8,7 @@ shape of each kind, which solvers use to read a name back out of a fact.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 _FIRST = (["Va", "Re", "Ko", "Li", "Sa", "To", "Mi", "Ela", "Bra", "Qui", "Ze", "Ul", "Ori", "Fe", "Da", "Ca", "Ny", "Ile"],
           ["rek", "na", "vin", "los", "dra", "mir", "tel", "wen", "rik", "sa", "dor", "lis", "vo", "ther"])

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from envs.longctx.names import Names
-from envs.longctx.task import UNANSWERABLE, Fact, Solver, Spec, template_pattern, template_regex
+from k3rl.envs.longctx.names import Names
+from k3rl.envs.longctx.task import UNANSWERABLE, Fact, Solver, Spec, template_pattern, template_regex
 
 NAME = "needle"
 SUMMARY = "Long-context needle retrieval: literal vs paraphrased keys, near-miss distractors."

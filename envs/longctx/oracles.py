@@ -5,7 +5,7 @@ query and returns ``(answer, evidence ids)``; it reaches the answer from the tex
 (plus the generators' synonym tables), never from the gold. ``ContextOracle`` feeds it
 the whole haystack from the prompt and answers in one turn, citing passages;
 ``FamilySearchOracle`` turns each query into a ``search`` call. Their turns are SFT
-demonstrations (rl/demonstrations.py), and running them shows the tasks are solvable.
+demonstrations (rl/orchestrator/demonstrations.py), and running them shows the tasks are solvable.
 
 Real questions (the ``file`` family, taskfile.py) have no solver: ``PassageContextOracle`` and
 ``PassageSearchOracle`` know the gold answer and evidence texts, and show where the evidence is — in
@@ -14,14 +14,15 @@ the prompt, or by searching the question — saying so when they cannot find it.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from envs.base import last_observation, user_prompt
-from envs.longctx.families import SOLVERS
-from envs.longctx.haystack import parse_context
-from envs.longctx.task import Passages, Solver
-from envs.search_oracle import parse_results
-from envs.tools import format_call
+from k3rl.envs.base import last_observation, user_prompt
+from k3rl.envs.longctx.families import SOLVERS
+from k3rl.envs.longctx.haystack import parse_context
+from k3rl.envs.longctx.task import Passages, Solver
+from k3rl.envs.search_oracle import parse_results
+from k3rl.envs.tools import format_call
 
 
 def solve_in_context(family: str, question: str, passages: Passages) -> tuple[str, list[str]]:

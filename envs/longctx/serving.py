@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
-from envs import scoring
-from envs.base import Env, Policy
-from envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS
-from envs.longctx.haystack import generate, pool_words, render_context
-from envs.longctx.names import Names
-from envs.longctx.oracles import ContextOracle, FamilySearchOracle
-from envs.longctx.task import Instance
-from envs.registry import register
-from envs.search import SearchEnv, task_corpus
-from envs.tools import tool
+from k3rl.envs import scoring
+from k3rl.envs.base import Env, Policy
+from k3rl.envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS
+from k3rl.envs.longctx.haystack import generate, pool_words, render_context
+from k3rl.envs.longctx.names import Names
+from k3rl.envs.longctx.oracles import ContextOracle, FamilySearchOracle
+from k3rl.envs.longctx.task import Instance
+from k3rl.envs.registry import register
+from k3rl.envs.search import SearchEnv, task_corpus
+from k3rl.envs.tools import tool
 
 PROMPT_SEARCH = (
     "The collection is one long text split into passages whose ids (p00000, p00001, ...) "

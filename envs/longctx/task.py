@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, Generator
+from typing import Any
 
 UNANSWERABLE = "unanswerable"
 """The gold answer of an instance whose text does not hold the answer."""

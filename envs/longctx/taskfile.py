@@ -34,21 +34,22 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
-from envs.base import Env, Policy, as_token_counter
-from envs.jsonl import JsonlError, jsonl_lines, parse_line
-from envs.longctx.haystack import LINE, haystack_pool, render_context
-from envs.longctx.oracles import PassageContextOracle, PassageSearchOracle
-from envs.longctx.serving import LongContextEnv, LongContextSearchEnv
-from envs.longctx.task import UNANSWERABLE, Instance
-from envs.registry import register
-from envs.scoring import normalize_answer
-from envs.sources import CorpusError
+from k3rl.envs.base import Env, Policy, as_token_counter
+from k3rl.envs.jsonl import JsonlError, jsonl_lines, parse_line
+from k3rl.envs.longctx.haystack import LINE, haystack_pool, render_context
+from k3rl.envs.longctx.oracles import PassageContextOracle, PassageSearchOracle
+from k3rl.envs.longctx.serving import LongContextEnv, LongContextSearchEnv
+from k3rl.envs.longctx.task import UNANSWERABLE, Instance
+from k3rl.envs.registry import register
+from k3rl.envs.scoring import normalize_answer
+from k3rl.envs.sources import CorpusError
 
 FILE_FAMILY = "file"
 SUMMARY = "Long-context QA over real documents from a JSONL task file (path=…): multi-hop or long-document."
@@ -329,8 +330,8 @@ def _passages(where: str, rows: Any) -> list[TaskPassage]:
 
 def _corpus(path: str, name: str, corpora: dict[str, Any]) -> Any:
     """The corpus a task names: a built-in source, or a corpus YAML relative to the task file."""
-    from envs.search import get_corpus
-    from envs.sources import BUILTIN_SOURCES
+    from k3rl.envs.search import get_corpus
+    from k3rl.envs.sources import BUILTIN_SOURCES
 
     if name not in corpora:
         spec = name

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.attn_res.fused import attn_res_mix_triton
-from kernels.attn_res.naive import naive_attn_res_mix
-from kernels.dispatch import use_triton
+from k3rl.kernels.attn_res.fused import attn_res_mix_triton
+from k3rl.kernels.attn_res.naive import naive_attn_res_mix
+from k3rl.kernels.dispatch import use_triton
 
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:

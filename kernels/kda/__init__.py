@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
-from kernels.kda.chunk import chunk_kda
-from kernels.kda.gate import FusedGate, kda_gate
-from kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
-from kernels.kda.recurrent import fused_recurrent_kda
+from k3rl.kernels.dispatch import use_triton
+from k3rl.kernels.kda.chunk import chunk_kda
+from k3rl.kernels.kda.gate import FusedGate, kda_gate
+from k3rl.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
+from k3rl.kernels.kda.recurrent import fused_recurrent_kda
 
 
 def kda_chunk(
@@ -40,7 +40,7 @@ def kda_chunk(
               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
     # float64 (exactness tests on a GPU) stays on PyTorch: the kernels compute in fp32
     if use_triton(q) and q.dtype != torch.float64:
-        from kernels.kda.chunk_triton import chunk_kda_triton
+        from k3rl.kernels.kda.chunk_triton import chunk_kda_triton
 
         return chunk_kda_triton(q, k, v, g, beta, **kw)
     return chunk_kda(q, k, v, g.log_decay() if isinstance(g, FusedGate) else g, beta, **kw)
@@ -66,7 +66,7 @@ def kda_recurrent(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, beta, initial_state, *gate_in))
     # the Triton decode kernel is forward-only; a differentiable call (tests, a short prefill) takes PyTorch
     if use_triton(q) and not needs_grad and q.dtype != torch.float64:
-        from kernels.kda.recurrent_triton import fused_recurrent_kda_triton
+        from k3rl.kernels.kda.recurrent_triton import fused_recurrent_kda_triton
 
         return fused_recurrent_kda_triton(q, k, v, g, beta, **kw)
     return fused_recurrent_kda(q, k, v, g.log_decay() if isinstance(g, FusedGate) else g, beta, **kw)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kda.utils import ChunkedVarlen, check_inputs, compute_dtype, prepare_qk
+from k3rl.kernels.kda.utils import ChunkedVarlen, check_inputs, compute_dtype, prepare_qk
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16

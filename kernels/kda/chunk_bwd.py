@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_bwd_inter import CHUNK, chunk_bwd_dh, chunk_bwd_dv_local, dot_args
-from kernels.kda.chunk_bwd_intra import chunk_bwd_intra, chunk_bwd_wy
-from kernels.kda.naive import ChunkIntermediates
-from kernels.kda.utils import chunk_indices as make_chunk_indices
+from k3rl.kernels.kda.chunk_bwd_inter import CHUNK, chunk_bwd_dh, chunk_bwd_dv_local, dot_args
+from k3rl.kernels.kda.chunk_bwd_intra import chunk_bwd_intra, chunk_bwd_wy
+from k3rl.kernels.kda.naive import ChunkIntermediates
+from k3rl.kernels.kda.utils import chunk_indices as make_chunk_indices
 
 # torch.nn.functional.softplus's threshold as kda_gate uses it: above it softplus(z) = z (and its slope is 1).
 SOFTPLUS_THRESHOLD = 20.0

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_bwd_inter import CHUNK, LAUNCH, SUB_CHUNK, _chunk_bounds, block_size
+from k3rl.kernels.kda.chunk_bwd_inter import CHUNK, LAUNCH, SUB_CHUNK, _chunk_bounds, block_size
 
 # Largest K-block of stage 3's [64, BK] accumulators; module-level so a test can shrink it to exercise K tiling.
 BK_WY_MAX = 64

@@ -28,12 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_fwd_intra import (
+from k3rl.kernels.kda.chunk_fwd_intra import (
     CHUNK,
     LAUNCH,
     _chunk_span,
     _load_rows,
-    _load_row,
     block_size,
     chunk_cumsum_gate,
     chunk_grid,
@@ -41,8 +40,8 @@ from kernels.kda.chunk_fwd_intra import (
     dot_precision,
     recompute_w_u,
 )
-from kernels.kda.naive import ChunkIntermediates
-from kernels.kda.utils import chunk_indices as make_chunk_indices
+from k3rl.kernels.kda.naive import ChunkIntermediates
+from k3rl.kernels.kda.utils import chunk_indices as make_chunk_indices
 
 __all__ = [
     "GateSpec", "chunk_fwd", "chunk_cumsum_gate", "chunk_intra", "recompute_w_u", "chunk_state", "chunk_output",

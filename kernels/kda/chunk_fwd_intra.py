@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.utils import chunk_indices as make_chunk_indices
+from k3rl.kernels.kda.utils import chunk_indices as make_chunk_indices
 
 CHUNK = 64
 SUB = 16

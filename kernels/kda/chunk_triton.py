@@ -19,17 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.chunk_fwd import (
-    CHUNK,
-    GateSpec,
-    chunk_cumsum_gate,
-    chunk_fwd,
-    chunk_state,
-    recompute_w_u,
-)
-from kernels.kda.gate import FusedGate
-from kernels.kda.naive import ChunkIntermediates
-from kernels.kda.utils import check_inputs, chunk_indices, prepare_qk
+from k3rl.kernels.kda.chunk_fwd import CHUNK, GateSpec, chunk_cumsum_gate, chunk_fwd, chunk_state, recompute_w_u
+from k3rl.kernels.kda.gate import FusedGate
+from k3rl.kernels.kda.naive import ChunkIntermediates
+from k3rl.kernels.kda.utils import check_inputs, chunk_indices, prepare_qk
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -53,7 +46,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         # imported here so the forward works without the backward module
-        from kernels.kda.chunk_bwd import chunk_bwd, gate_bwd
+        from k3rl.kernels.kda.chunk_bwd import chunk_bwd, gate_bwd
 
         q, k, v, g_saved, beta, Aqk, Ainv, h0, A_log, dt_bias = ctx.saved_tensors
         grid = dict(cu_seqlens=ctx.cu_seqlens, chunk_indices=ctx.indices)

@@ -6,7 +6,8 @@
 
 The lower-bound form is what lets `chunk_kda` factor its 16×16 diagonal tiles through plain matmuls
 (§5.7: |Γ_t − Γ_n| < 8·|lb| ≤ 40 nats around the tile midpoint). Computed in at least float32, as vLLM keeps
-A_log and dt_bias in fp32 (§13.2); a float64 model (exactness tests) gets a float64 gate. β = σ(b̃) is not computed here: it is one sigmoid in the layer.
+A_log and dt_bias in fp32 (§13.2); a float64 model (exactness tests) gets a float64 gate. β = σ(b̃) is not computed
+here: it is one sigmoid in the layer.
 """
 
 from __future__ import annotations

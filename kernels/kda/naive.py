@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kda.utils import check_inputs, compute_dtype, prepare_qk
+from k3rl.kernels.kda.utils import check_inputs, compute_dtype, prepare_qk
 
 
 def naive_recurrent_kda(

@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.utils import (
-    check_inputs,
-    compute_dtype,
-    pack_to_padded,
-    padded_to_packed,
-    prepare_qk,
-    varlen_index,
-)
+from k3rl.kernels.kda.utils import check_inputs, compute_dtype, pack_to_padded, padded_to_packed, prepare_qk, varlen_index
 
 
 def fused_recurrent_kda(

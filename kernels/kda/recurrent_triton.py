@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.gate import FusedGate
-from kernels.kda.utils import L2NORM_EPS, check_inputs
+from k3rl.kernels.kda.gate import FusedGate
+from k3rl.kernels.kda.utils import L2NORM_EPS, check_inputs
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Gate modes of the kernel: g given, or computed from the raw inputs in one of the two forms of §5.2.

@@ -119,7 +119,7 @@ class ChunkedVarlen:
     chunk_seq: torch.Tensor  # [n_chunks] s: the chunk's sequence
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, chunk: int) -> "ChunkedVarlen":
+    def build(cls, cu_seqlens: torch.Tensor, chunk: int) -> ChunkedVarlen:
         cu = cu_seqlens.to(device="cpu", dtype=torch.long)
         lengths = cu.diff()  # [N]
         per_seq = (lengths + chunk - 1) // chunk  # [N]

@@ -15,12 +15,12 @@ Expert weights are stacked, one tensor per projection in `nn.Linear` layout: w1 
 [E, I, d], w2 (down) [E, d, I] (model/moe.py `Experts`).
 """
 
-from kernels.dispatch import use_triton
-from kernels.moe.grouped import grouped_experts, grouped_linear
-from kernels.moe.grouped_gemm import grouped_linear_triton
-from kernels.moe.naive import naive_experts
-from kernels.moe.permute import Dispatch, dispatch
-from kernels.moe.triton import SituGLU, supports, triton_experts
+from k3rl.kernels.dispatch import use_triton
+from k3rl.kernels.moe.grouped import grouped_experts, grouped_linear
+from k3rl.kernels.moe.grouped_gemm import grouped_linear_triton
+from k3rl.kernels.moe.naive import naive_experts
+from k3rl.kernels.moe.permute import Dispatch, dispatch
+from k3rl.kernels.moe.triton import SituGLU, supports, triton_experts
 
 IMPLEMENTATIONS = {"grouped": grouped_experts, "naive": naive_experts, "triton": triton_experts}
 

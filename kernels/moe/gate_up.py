@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.grouped_gemm import INTERPRET, TileMap, blocks, row_tiles, rows_matmul, tile_dot, weight_grad
-from kernels.situ.fused import situ_glu_bwd_tl, situ_glu_fwd_tl
+from k3rl.kernels.moe.grouped_gemm import INTERPRET, TileMap, blocks, row_tiles, rows_matmul, tile_dot, weight_grad
+from k3rl.kernels.situ.fused import situ_glu_bwd_tl, situ_glu_fwd_tl
 
 
 @triton.jit

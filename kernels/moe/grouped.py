@@ -20,13 +20,13 @@ All are differentiable; an expert with no pairs contributes nothing and gets a z
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.naive import expert_loop
-from kernels.moe.permute import Dispatch, dispatch
+from k3rl.kernels.moe.naive import expert_loop
+from k3rl.kernels.moe.permute import Dispatch, dispatch
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The padded buffer is used while it holds at most this many rows per sorted pair (or is tiny anyway).

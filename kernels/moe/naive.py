@@ -4,12 +4,12 @@ included; slow when there are many experts and few tokens each, as in decoding."
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.permute import dispatch
+from k3rl.kernels.moe.permute import dispatch
 
 
 def expert_loop(zs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,

@@ -12,15 +12,15 @@ router weights as it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kernels.moe.gate_up import expert_mlp_situ
-from kernels.moe.grouped_gemm import grouped_linear_triton
-from kernels.moe.permute import dispatch
-from kernels.situ import situ_glu
+from k3rl.kernels.moe.gate_up import expert_mlp_situ
+from k3rl.kernels.moe.grouped_gemm import grouped_linear_triton
+from k3rl.kernels.moe.permute import dispatch
+from k3rl.kernels.situ import situ_glu
 
 # Storage dtypes the kernels multiply (tl.dot); others (float64) take the PyTorch paths.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

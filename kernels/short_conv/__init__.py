@@ -6,7 +6,7 @@ sequences, each from a zero state); `naive_causal_conv1d`
 is the per-token reference that the tests compare it with.
 """
 
-from kernels.short_conv.conv import causal_conv1d
-from kernels.short_conv.naive import naive_causal_conv1d
+from k3rl.kernels.short_conv.conv import causal_conv1d
+from k3rl.kernels.short_conv.naive import naive_causal_conv1d
 
 __all__ = ["causal_conv1d", "naive_causal_conv1d"]

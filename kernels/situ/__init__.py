@@ -6,7 +6,7 @@ path itself (on CPU tensors under TRITON_INTERPRET=1). Kernels that fuse the act
 its `@triton.jit` pieces from `kernels.situ.fused` (`situ_glu_fwd_tl`, `situ_glu_bwd_tl`, …).
 """
 
-from kernels.situ.naive import naive_situ_glu, situ
-from kernels.situ.fused import situ_glu, situ_glu_triton
+from k3rl.kernels.situ.fused import situ_glu, situ_glu_triton
+from k3rl.kernels.situ.naive import naive_situ_glu, situ
 
 __all__ = ["situ_glu", "situ_glu_triton", "naive_situ_glu", "situ"]

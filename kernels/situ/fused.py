@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
-from kernels.situ.naive import naive_situ_glu
+from k3rl.kernels.dispatch import use_triton
+from k3rl.kernels.situ.naive import naive_situ_glu
 
 BLOCK = 1024
 

@@ -9,14 +9,14 @@ Exports the interface (`Algorithm`, `AlgoConfig`, `LossInputs`), the registry `A
 
 from __future__ import annotations
 
-from rl.algos.base import AlgoConfig, Algorithm, ClipConfig, LossInputs
-from rl.algos.cispo import CISPO
-from rl.algos.dr_grpo import DrGRPO
-from rl.algos.grpo import GRPO
-from rl.algos.nll import NLL
-from rl.algos.gspo import GSPO
-from rl.algos.ppo import PPO
-from rl.algos.rloo import RLOO
+from k3rl.rl.algos.base import AlgoConfig, Algorithm, ClipConfig, LossInputs
+from k3rl.rl.algos.cispo import CISPO
+from k3rl.rl.algos.dr_grpo import DrGRPO
+from k3rl.rl.algos.grpo import GRPO
+from k3rl.rl.algos.gspo import GSPO
+from k3rl.rl.algos.nll import NLL
+from k3rl.rl.algos.ppo import PPO
+from k3rl.rl.algos.rloo import RLOO
 
 ALGOS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, DrGRPO, RLOO, PPO, GSPO, CISPO, NLL)}
 

@@ -137,7 +137,7 @@ class Algorithm(abc.ABC):
             raise TypeError(f"{type(self).__name__} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "Algorithm":
+    def from_kwargs(cls, **kwargs) -> Algorithm:
         """Build with `Config(**kwargs)`; an unknown key is a ValueError naming the valid ones."""
         valid = [f.name for f in fields(cls.Config)]
         unknown = sorted(set(kwargs) - set(valid))

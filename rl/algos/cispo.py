@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.algos.base import Algorithm, ClipConfig, LossInputs
-from rl.algos.common import finish_loss, group_normalised, log_ratio, share, token_mean
+from k3rl.rl.algos.base import Algorithm, ClipConfig, LossInputs
+from k3rl.rl.algos.common import finish_loss, group_normalised, log_ratio, share, token_mean
 
 
 @dataclass

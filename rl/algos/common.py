@@ -13,11 +13,12 @@ Shapes: T loss-mask tokens, S sequences of the micro-batch, G trajectories of a 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
-from rl.algos.base import AlgoConfig, LossInputs
+from k3rl.rl.algos.base import AlgoConfig, LossInputs
 
 Reduce = Callable[[torch.Tensor, LossInputs], torch.Tensor]
 

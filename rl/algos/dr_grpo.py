@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.algos.base import Algorithm, ClipConfig, LossInputs
-from rl.algos.common import (clipped_surrogate, constant_token_sum, finish_loss, group_centered, log_ratio,
-                             share)
+from k3rl.rl.algos.base import Algorithm, ClipConfig, LossInputs
+from k3rl.rl.algos.common import clipped_surrogate, constant_token_sum, finish_loss, group_centered, log_ratio, share
 
 
 @dataclass

@@ -22,9 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.algos.base import Algorithm, ClipConfig, LossInputs
-from rl.algos.common import (clipped_surrogate, finish_loss, group_normalised, log_ratio, seq_lengths,
-                             seq_mean_token_mean, seq_sum, share)
+from k3rl.rl.algos.base import Algorithm, ClipConfig, LossInputs
+from k3rl.rl.algos.common import (
+    clipped_surrogate,
+    finish_loss,
+    group_normalised,
+    log_ratio,
+    seq_lengths,
+    seq_mean_token_mean,
+    seq_sum,
+    share,
+)
 
 
 @dataclass

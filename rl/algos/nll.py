@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.algos.base import Algorithm, LossInputs
+from k3rl.rl.algos.base import Algorithm, LossInputs
 
 
 @dataclass

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.algos.base import Algorithm, ClipConfig, LossInputs
-from rl.algos.common import clipped_surrogate, finish_loss, group_centered, log_ratio, seq_sum_mean, share
+from k3rl.rl.algos.base import Algorithm, ClipConfig, LossInputs
+from k3rl.rl.algos.common import clipped_surrogate, finish_loss, group_centered, log_ratio, seq_sum_mean, share
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from envs.corpus import CorpusConfig, load_corpus
+from k3rl.envs.corpus import CorpusConfig, load_corpus
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs import corpus as C
-from envs import corpus_cli, index, sources
-from envs.corpus import CorpusConfig, CorpusError, Document, chunk_document, load_corpus
+from k3rl.envs import corpus as C
+from k3rl.envs import index, sources
+from k3rl.envs.corpus import CorpusConfig, CorpusError, Document, chunk_document, load_corpus
+from k3rl.rl.commands import corpus as corpus_cli
 
 
 def test_chunking_keeps_spans_and_prefers_paragraphs():

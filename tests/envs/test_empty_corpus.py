@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
-from envs.search import SearchEnv
-from envs.sources import CorruptCorpusError
+from k3rl.envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
+from k3rl.envs.search import SearchEnv
+from k3rl.envs.sources import CorruptCorpusError
 
 
 def corpus_of(tmp_path, name: str, data: bytes, suffix: str = ".jsonl"):

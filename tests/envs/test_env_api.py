@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from envs import Budget, Env, Episode, format_call, register, run_episode, tool
-from envs import registry
-from envs.base import approx_token_count, as_token_counter, last_observation
+from k3rl.envs import Budget, Env, Episode, format_call, register, registry, run_episode, tool
+from k3rl.envs.base import approx_token_count, as_token_counter, last_observation
 
 
 class Guess(Env):

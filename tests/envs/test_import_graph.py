@@ -78,10 +78,10 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert {"envs", "envs.search", "envs.longctx", "envs.longctx.needle", "envs.search_oracle"} <= set(graph)
-    assert "envs.search_oracle" in graph["envs.search"]
-    assert "envs.longctx.task" in graph["envs.longctx.needle"]
-    assert "envs.search" in _reach(graph, "envs.longctx")
+    assert {"envs", "k3rl.envs.search", "k3rl.envs.longctx", "k3rl.envs.longctx.needle", "k3rl.envs.search_oracle"} <= set(graph)
+    assert "k3rl.envs.search_oracle" in graph["k3rl.envs.search"]
+    assert "k3rl.envs.longctx.task" in graph["k3rl.envs.longctx.needle"]
+    assert "k3rl.envs.search" in _reach(graph, "k3rl.envs.longctx")
 
 
 def test_envs_has_no_import_cycle():
@@ -90,8 +90,8 @@ def test_envs_has_no_import_cycle():
 
 
 def test_search_does_not_reach_the_long_context_package():
-    reached = _reach(import_graph(), "envs.search")
-    assert not {m for m in reached if m == "envs.longctx" or m.startswith("envs.longctx.")}, sorted(reached)
+    reached = _reach(import_graph(), "k3rl.envs.search")
+    assert not {m for m in reached if m == "k3rl.envs.longctx" or m.startswith("k3rl.envs.longctx.")}, sorted(reached)
 
 
 def test_the_cycle_check_finds_a_cycle():

@@ -6,13 +6,12 @@ import re
 
 import pytest
 
-from envs import make, run_episode
-from envs import longctx as L
-from envs import scoring
-from envs.base import as_token_counter
-from envs.index import dense_model_dir
-from envs.longctx import needle
-from envs.search_oracle import parse_results
+from k3rl.envs import longctx as L
+from k3rl.envs import make, run_episode, scoring
+from k3rl.envs.base import as_token_counter
+from k3rl.envs.index import dense_model_dir
+from k3rl.envs.longctx import needle
+from k3rl.envs.search_oracle import parse_results
 
 FAMILIES = list(L.FAMILIES)
 
@@ -42,7 +41,8 @@ def test_sized_to_the_target_and_evidence_holds_the_facts(family):
         if not inst.unanswerable:
             assert inst.evidence
         texts = dict(inst.passages)
-        assert all(re.search(r"registry number|apprentice|born in|mayor|banks of|ferry|Ledger entry|Memo:", texts[e]) for e in inst.evidence)
+        marks = r"registry number|apprentice|born in|mayor|banks of|ferry|Ledger entry|Memo:"
+        assert all(re.search(marks, texts[e]) for e in inst.evidence)
 
 
 def scoring_tokens(inst):
@@ -249,7 +249,7 @@ def test_minimal_prompt_for_models_trained_from_scratch():
 @pytest.mark.parametrize("serve", ["context", "search"])
 def test_unknown_options_are_refused_with_the_valid_ones(serve):
     """A typo (`lenght`) is a TypeError naming it and the valid arguments, not silently ignored."""
-    import envs
+    import k3rl.envs as envs
 
     with pytest.raises(TypeError, match=r"got unexpected argument\(s\) lenght; it takes .*length.*paraphrase_rate"):
         envs.make("needle", serve=serve, lenght=1000)

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from envs import longctx as L
-from envs.longctx import aggregate, ith, multihop, needle
-from envs.longctx.families import SOLVERS
-from envs.longctx.names import ENTITY_PATTERN, Names
+from k3rl.envs import longctx as L
+from k3rl.envs.longctx import aggregate, ith, multihop, needle
+from k3rl.envs.longctx.families import SOLVERS
+from k3rl.envs.longctx.names import ENTITY_PATTERN, Names
 
 OPTIONS = {
     "needle": [{}, {"paraphrase_rate": 1.0}, {"paraphrase_rate": 0.0}, {"ask": "colour", "distractors": 3},

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from envs import Budget, Episode, format_call, run_episode
-from envs.corpus import Corpus, Document
-from envs.search import SearchEnv, wiki_tasks
+from k3rl.envs import Budget, Episode, format_call, run_episode
+from k3rl.envs.corpus import Corpus, Document
+from k3rl.envs.search import SearchEnv, wiki_tasks
 
 
 @pytest.fixture()
@@ -121,8 +121,8 @@ def test_wiki_tasks_deterministic_and_oracle_solves(wiki_corpus):
 
 
 def test_quote_tasks_are_solvable_in_one_search_and_hide_the_title(wiki_corpus):
-    from envs import scoring
-    from envs.search import quote_tasks
+    from k3rl.envs import scoring
+    from k3rl.envs.search import quote_tasks
 
     env = SearchEnv(corpus=wiki_corpus, questions="quote", oracle_k=3, snippet_chars=100)
     tasks = quote_tasks(wiki_corpus, 40, seed=3)
@@ -139,7 +139,7 @@ def test_quote_tasks_are_solvable_in_one_search_and_hide_the_title(wiki_corpus):
 
 
 def test_quote_articles_is_a_closed_world_shared_by_every_seed(wiki_corpus):
-    from envs.search import quote_tasks
+    from k3rl.envs.search import quote_tasks
 
     a = quote_tasks(wiki_corpus, 60, seed=0, articles=8)
     b = quote_tasks(wiki_corpus, 60, seed=1, articles=8)
@@ -173,7 +173,7 @@ def test_compact_tool_prompt_lists_every_tool_in_one_line():
 
 
 def test_protocol_texts_cover_every_builtin_environment():
-    from envs.registry import protocol_texts
+    from k3rl.envs.registry import protocol_texts
 
     texts = protocol_texts()
     assert any("- search(query: string" in t for t in texts) and any('"name": "search"' in t for t in texts)
@@ -181,7 +181,7 @@ def test_protocol_texts_cover_every_builtin_environment():
 
 
 def test_match_snippet_shows_the_sentence_that_matches_the_query():
-    from envs.search import match_snippet
+    from k3rl.envs.search import match_snippet
 
     text = "Owls hunt at night. The gardener keeps a red lantern, and its number is 7. Oaks grow slowly."
     assert match_snippet(text, "gardener keeps lantern") == "… The gardener keeps a red lantern, and its number is 7. …"
@@ -199,7 +199,7 @@ def test_match_snippet_shows_the_sentence_that_matches_the_query():
 def test_an_exhausted_closed_world_fails_fast(wiki_corpus, monkeypatch):
     """Asking 2 fixed articles for more quotes than they hold fails once QUOTE_DROUGHT draws in a row add nothing,
     not after 200·n searches (5,000 questions took over ten minutes to refuse): the draws are counted."""
-    import envs.search as search
+    import k3rl.envs.search as search
 
     draws = []
     pick = search._pick_quote

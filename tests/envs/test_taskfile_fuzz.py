@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.longctx.taskfile import TaskFileError, read_task_file
-from tests.jsonl_fuzz import problem, run_fuzz, variants
+from k3rl.envs.longctx.taskfile import TaskFileError, read_task_file
+from tests.jsonl_fuzz import run_fuzz, variants
 
 REPO = Path(__file__).parents[2]
 ROW = {"id": "q1", "question": "Who lit the lantern?", "answers": ["Ann"],
@@ -55,7 +55,7 @@ def test_what_each_kind_of_bad_file_is_called(tmp_path):
 
 
 def test_bad_task_files_exit_2_through_k3rl_eval(tmp_path, capsys):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     cases = dict(variants(ROW, seed=28))
     names = ["utf-16", "latin-1", "int-10000-in-id", "nest-row-100000", "escape-lone-low", "number-Infinity-in-hops",

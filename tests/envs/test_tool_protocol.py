@@ -9,8 +9,8 @@ from typing import Literal, Optional
 
 import pytest
 
-from envs import tools as T
-from envs.tools import ParseError, ToolCall, execute, format_call, parse, tool, tool_spec
+from k3rl.envs import tools as T
+from k3rl.envs.tools import ParseError, ToolCall, execute, format_call, parse, tool, tool_spec
 
 
 def lookup(query: str, k: int = 5, mode: Literal["fast", "exact"] = "fast", tags: list[str] | None = None,
@@ -168,7 +168,8 @@ def test_execute_ok_and_coercions():
 @pytest.mark.parametrize(
     "call, kind, words",
     [
-        (format_call("lookpu", {"query": "q"}), "unknown_tool", "unknown tool 'lookpu'. Available tools: lookup, boom, polite, slow. Did you mean 'lookup'?"),
+        (format_call("lookpu", {"query": "q"}), "unknown_tool",
+         "unknown tool 'lookpu'. Available tools: lookup, boom, polite, slow. Did you mean 'lookup'?"),
         (format_call("lookup", {"qeury": "q"}), "bad_arguments", "unknown argument 'qeury' (did you mean 'query'?)"),
         (format_call("lookup", {}), "bad_arguments", "missing required argument 'query'"),
         (format_call("lookup", {"query": "q", "k": "5"}), "bad_arguments", "argument 'k' must be an integer, got string"),

@@ -9,7 +9,7 @@ thousand times smaller than another must still get its own gradient right).
 import pytest
 import torch
 
-from kernels.attn_res import attn_res_mix, attn_res_mix_triton, naive_attn_res_mix
+from k3rl.kernels.attn_res import attn_res_mix, attn_res_mix_triton, naive_attn_res_mix
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

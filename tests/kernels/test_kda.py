@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.kda.chunk as chunk_module
-from kernels.kda import kda_gate, naive_recurrent_kda
-from kernels.kda.chunk import chunk_kda
-from kernels.kda.recurrent import fused_recurrent_kda
+import k3rl.kernels.kda.chunk as chunk_module
+from k3rl.kernels.kda import kda_gate, naive_recurrent_kda
+from k3rl.kernels.kda.chunk import chunk_kda
+from k3rl.kernels.kda.recurrent import fused_recurrent_kda
 
 F64 = torch.float64
 LENGTHS = [1, 7, 16, 63, 64, 65, 130, 257]
@@ -379,7 +379,7 @@ def test_chunk_varlen_all_empty():
 def test_naive_chunk_matches_recurrence(gate):
     """The chunk-by-chunk reference (the Triton stages' ground truth) = the per-token recurrence in float64,
     for batch rows and for packed sequences (lengths 5, 70, 33: chunks restart at every sequence start)."""
-    from kernels.kda.naive import naive_chunk_kda
+    from k3rl.kernels.kda.naive import naive_chunk_kda
 
     q, k, v, g, beta = make_inputs(2, 130, 2, 16, 8, gate, seed=50)
     h0 = torch.randn(2, 2, 16, 8, generator=torch.Generator().manual_seed(51), dtype=F64)

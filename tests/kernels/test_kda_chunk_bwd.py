@@ -20,12 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.kda.chunk_bwd_inter as inter_module
-import kernels.kda.chunk_bwd_intra as intra_module
-from kernels.kda.chunk_bwd import chunk_bwd, gate_bwd
-from kernels.kda.gate import kda_gate
-from kernels.kda.naive import ChunkIntermediates, naive_chunk_kda, naive_recurrent_kda
-from kernels.kda.utils import l2norm
+import k3rl.kernels.kda.chunk_bwd_inter as inter_module
+import k3rl.kernels.kda.chunk_bwd_intra as intra_module
+from k3rl.kernels.kda.chunk_bwd import chunk_bwd, gate_bwd
+from k3rl.kernels.kda.gate import kda_gate
+from k3rl.kernels.kda.naive import ChunkIntermediates, naive_chunk_kda, naive_recurrent_kda
+from k3rl.kernels.kda.utils import l2norm
 
 pytestmark = pytest.mark.triton
 

@@ -31,12 +31,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.kda.chunk_bwd as bwd_module
-import kernels.kda.chunk_fwd_intra as intra_module
-from kernels.kda.chunk_fwd import GateSpec, chunk_fwd
-from kernels.kda.chunk_triton import chunk_kda_triton
-from kernels.kda.gate import FusedGate, kda_gate
-from kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
+import k3rl.kernels.kda.chunk_bwd as bwd_module
+import k3rl.kernels.kda.chunk_fwd_intra as intra_module
+from k3rl.kernels.kda.chunk_fwd import GateSpec, chunk_fwd
+from k3rl.kernels.kda.chunk_triton import chunk_kda_triton
+from k3rl.kernels.kda.gate import FusedGate, kda_gate
+from k3rl.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 pytestmark = pytest.mark.triton
 

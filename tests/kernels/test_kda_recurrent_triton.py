@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda.chunk import chunk_kda
-from kernels.kda.gate import FusedGate, kda_gate
-from kernels.kda.naive import naive_recurrent_kda
-from kernels.kda.recurrent_triton import fused_recurrent_kda_triton
+from k3rl.kernels.kda.chunk import chunk_kda
+from k3rl.kernels.kda.gate import FusedGate, kda_gate
+from k3rl.kernels.kda.naive import naive_recurrent_kda
+from k3rl.kernels.kda.recurrent_triton import fused_recurrent_kda_triton
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("nan_poison")]
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import dispatch, grouped_experts, grouped_linear, naive_experts, routed_experts
-from kernels.moe.grouped import strategy
-from kernels.situ import naive_situ_glu
+from k3rl.kernels.moe import dispatch, grouped_experts, grouped_linear, naive_experts, routed_experts
+from k3rl.kernels.moe.grouped import strategy
+from k3rl.kernels.situ import naive_situ_glu
 
 
 def act(g, u):

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import SituGLU, grouped_experts, grouped_linear_triton, naive_experts, routed_experts, triton_experts
-from kernels.moe.grouped_gemm import tile_map
-from kernels.situ import naive_situ_glu
+from k3rl.kernels.moe import SituGLU, grouped_experts, grouped_linear_triton, naive_experts, routed_experts, triton_experts
+from k3rl.kernels.moe.grouped_gemm import tile_map
+from k3rl.kernels.situ import naive_situ_glu
 
 pytestmark = pytest.mark.triton
 BETA = 4.0

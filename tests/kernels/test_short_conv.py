@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.short_conv import causal_conv1d, naive_causal_conv1d
+from k3rl.kernels.short_conv import causal_conv1d, naive_causal_conv1d
 
 
 @pytest.mark.parametrize("B,T,C,W", [(1, 1, 3, 4), (2, 37, 8, 4), (3, 65, 5, 2), (2, 9, 4, 1)])

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.situ import naive_situ_glu, situ, situ_glu, situ_glu_triton
-from kernels.situ.fused import exp_tl, sigmoid_with_grad_tl, tanh_tl, tanh_with_grad_tl
+from k3rl.kernels.situ import naive_situ_glu, situ, situ_glu, situ_glu_triton
+from k3rl.kernels.situ.fused import exp_tl, sigmoid_with_grad_tl, tanh_tl, tanh_with_grad_tl
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

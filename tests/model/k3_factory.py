@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from model.config import K3Config
+from k3rl.model.config import K3Config
 
 
-def make_config(num_hidden_layers: int = 4, kda_layers=(1, 2, 3), **kw) -> "K3Config":
+def make_config(num_hidden_layers: int = 4, kda_layers=(1, 2, 3), **kw) -> K3Config:
     """A few-thousand-parameter K3: d=32, KDA 2×8 (conv 4), MLA 2 heads, 4 experts top-2 + 1 shared."""
     lac = dict(kda_layers=list(kda_layers), full_attn_layers=[], num_heads=2, head_dim=8,
                short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True)
@@ -23,7 +23,7 @@ def make_config(num_hidden_layers: int = 4, kda_layers=(1, 2, 3), **kw) -> "K3Co
 
 def make_model(config=None, dtype=torch.float64, seed: int = 0, attn_res_random: bool = True, **kw):
     """A K3ForCausalLM in eval mode; AttnRes queries randomised (they start at zero) so mixes are non-uniform."""
-    from model.modeling import AttnResProj, K3ForCausalLM
+    from k3rl.model.modeling import AttnResProj, K3ForCausalLM
 
     torch.manual_seed(seed)
     model = K3ForCausalLM(config or make_config(**kw)).to(dtype).eval()

@@ -13,10 +13,10 @@ import math
 
 import pytest
 import torch
-
 from k3_factory import make_model
-from model.attn_res import RMSNorm, attn_res_mix
-from model.cache import make_step
+
+from k3rl.model.attn_res import RMSNorm, attn_res_mix
+from k3rl.model.cache import make_step
 
 
 def mix(sources, proj, norm):

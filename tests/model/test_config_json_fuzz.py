@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from model import hf_layout
-from model.cli import export_main
 from k3_factory import make_model
-from model.hf_layout import CheckpointError
+
+from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.layouts import CheckpointError
+from k3rl.rl.commands.model_tools import export_main
 
 BAD_VALUES = ["big", -3, 0, 1e308, 10**30, None, [1], {"a": 1}, True, 2.5, ""]
 

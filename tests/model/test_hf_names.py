@@ -1,4 +1,4 @@
-"""Tests of model/hf_names.py and the expert conversion at save/load: checkpoints are written with per-expert
+"""Tests of model/formats/names.py and the expert conversion at save/load: checkpoints are written with per-expert
 Hugging Face names; k3rl's old layout (model_type k3rl_k3) still reads, with a message: a checkpoint written
 before the experts were stacked (tests/fixtures/k3_per_expert, saved by commit abce9f0) loads and computes what
 it computed then, one with images keeps its patch weight; malformed expert sets are named."""
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from k3_factory import make_model
 from safetensors import safe_open
 
-from k3_factory import make_model
-from model.hf_names import split_experts, stack_experts
+from k3rl.model.formats.names import split_experts, stack_experts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "k3_per_expert"
 
@@ -40,7 +40,7 @@ def test_stack_names_missing_expert_and_mismatched_shapes():
 
 
 def test_saved_checkpoints_hold_per_expert_names(tmp_path):
-    from model.hf_layout import INDEX_FILE, save_model
+    from k3rl.model.formats.layouts import INDEX_FILE, save_model
 
     model = make_model(seed=2, dtype=torch.float32)
     save_model(model, tmp_path)
@@ -55,7 +55,7 @@ def test_saved_checkpoints_hold_per_expert_names(tmp_path):
 
 def test_old_layout_with_images_reads_with_a_message(tmp_path):
     """k3rl's old layout (transformers' save_pretrained, model_type k3rl_k3, the patch weight among the others)."""
-    from model.hf_layout import load_model
+    from k3rl.model.formats.layouts import load_model
 
     model = make_model(seed=4, media_placeholder_token_id=3, image_patch_size=2)
     model.save_pretrained(tmp_path)
@@ -71,7 +71,7 @@ def test_old_layout_with_images_reads_with_a_message(tmp_path):
 
 
 def test_checkpoint_saved_before_stacking_loads_unchanged():
-    from model.policy import load_policy
+    from k3rl.model.policy import load_policy
 
     expected = json.loads((FIXTURE / "expected.json").read_text())
     with pytest.warns(UserWarning, match="k3rl_k3"):

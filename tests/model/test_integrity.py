@@ -1,4 +1,4 @@
-"""model/integrity.py through its loaders: a checkpoint's COMPLETE manifest verified on every load (a flipped byte
+"""model/formats/integrity.py through its loaders: a checkpoint's COMPLETE manifest verified on every load (a flipped byte
 is named), a directory without one checked for what can be checked (shard set, dtypes, finite values), non-finite
 weights refused by tensor, and MXFP4's NaN and saturation at export; a clean directory still loads."""
 
@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from k3_factory import make_model
 from safetensors.torch import load_file, save_file
 
-from k3_factory import make_model
-from model import hf_layout, integrity
-from model.cli import export_main
-from model.weight_files import write_weights
-from rl import checkpoint as ckpt
+from k3rl.model.formats import integrity
+from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.weight_files import write_weights
+from k3rl.rl import checkpoint as ckpt
+from k3rl.rl.commands.model_tools import export_main
 from tests.hostile import RunsCode
 
 SHARD = "model-00001-of-00001.safetensors"
@@ -180,7 +181,7 @@ def test_streaming_check_names_model_file_errors(released, tmp_path):
 
 
 def test_hf_model_with_nan_is_refused_by_load_policy(tiny_qwen3_dir, tmp_path):
-    from model.policy import load_policy
+    from k3rl.model.policy import load_policy
 
     bad = copy(tiny_qwen3_dir, tmp_path / "qwen")
     name = next(iter(load_file(bad / "model.safetensors")))

@@ -1,4 +1,4 @@
-"""Checkpoint layouts (model/hf_layout.py): every tensor name and shape of the spec's tables (§4.2–4.7) for the
+"""Checkpoint layouts (model/formats/layouts.py): every tensor name and shape of the spec's tables (§4.2–4.7) for the
 K3 and Kimi-Linear layers, written under each released layout's names (kimi_k3: `language_model.` prefix, patch
 weights outside the index), and nothing else; config.json as the released configs spell it; save → load gives
 identical logits with images on and off (bf16 keeps the fp32 tensors fp32); released spellings and the parts
@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 import torch
+from k3_factory import make_config, make_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from k3_factory import make_config, make_model
-from model import hf_layout
-from model.hf_names import split_experts
+from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.names import split_experts
 
 
 def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
@@ -77,7 +77,7 @@ def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
 
 
 def state_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Names and shapes as checkpoints hold them (routed experts per expert: model/hf_names.py)."""
+    """Names and shapes as checkpoints hold them (routed experts per expert: model/formats/names.py)."""
     return {k: tuple(v.shape) for k, v in split_experts(model.state_dict().items())}
 
 

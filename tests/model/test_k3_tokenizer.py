@@ -8,12 +8,12 @@ import itertools
 
 import pytest
 
-from model.tokenizer import MEDIA_PLACEHOLDER_ID, SPECIAL_TOKENS, TOOL_TOKENS, load_tokenizer, train_tokenizer
+from k3rl.model.tokenizer import MEDIA_PLACEHOLDER_ID, SPECIAL_TOKENS, TOOL_TOKENS, load_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from envs.corpus import builtin_texts
+    from k3rl.envs.corpus import builtin_texts
 
     return train_tokenizer(itertools.islice(builtin_texts("wiki"), 400), vocab_size=1024)
 
@@ -66,7 +66,7 @@ def test_byte_level_round_trip_and_save_load(tok, tmp_path):
 
 
 def test_rollout_chat_renderer_accepts_it(tok):
-    from rollout.chat import ChatRenderer
+    from k3rl.rollout.chat import ChatRenderer
 
     renderer = ChatRenderer(tok)
     prompt = renderer.prompt_tokens(MESSAGES[:2])

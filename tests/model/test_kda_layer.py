@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from k3_factory import make_config
-from model.cache import K3Cache, make_step
-from model.kda import KimiDeltaAttention
+
+from k3rl.model.cache import K3Cache, make_step
+from k3rl.model.kda import KimiDeltaAttention
 
 
 def reference_kda(layer: KimiDeltaAttention, x: torch.Tensor, lb) -> torch.Tensor:

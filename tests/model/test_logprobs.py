@@ -5,7 +5,7 @@ kept for backward."""
 import pytest
 import torch
 
-from model.logprobs import naive_selected_logprobs, selected_logprobs
+from k3rl.model.logprobs import naive_selected_logprobs, selected_logprobs
 
 
 def _data(n, v, d, dtype=torch.float64, seed=0):

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from k3_factory import make_config
-from model.cache import K3Cache, make_step
-from model.mla import MultiheadLatentAttention
+
+from k3rl.model.cache import K3Cache, make_step
+from k3rl.model.mla import MultiheadLatentAttention
 
 
 def rms(x, w, eps):
@@ -104,7 +104,7 @@ def test_rope_depends_on_relative_position_only_and_nope_on_none():
 
 
 def test_rope_matches_complex_rotation():
-    from model.mla import apply_rope
+    from k3rl.model.mla import apply_rope
 
     x = torch.randn(3, 5, 2, 8, dtype=torch.float64)
     pos = torch.randint(0, 10**5, (3, 5))

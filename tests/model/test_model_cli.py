@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from k3_factory import make_config
-from model.cli import count_parameters, export_main, init_main, params_main
+
+from k3rl.rl.commands.model_tools import count_parameters, export_main, init_main, params_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_published_layout_counts_2_78t_total_105b_active(capsys):
 @pytest.mark.parametrize("kw", [dict(), dict(routed_expert_hidden_size=16, latent_moe_use_norm=True, moe_layer_freq=2,
                                               media_placeholder_token_id=3, attn_res_block_size=None)])
 def test_meta_count_equals_a_real_model(kw):
-    from model.modeling import K3ForCausalLM
+    from k3rl.model.modeling import K3ForCausalLM
 
     cfg = make_config(num_hidden_layers=5, kda_layers=(1, 2, 4), **kw)
     counts = count_parameters(cfg)
@@ -49,8 +49,8 @@ def test_params_table(capsys):
 
 
 def test_init_writes_a_loadable_model_and_tokenizer(tmp_path, capsys):
-    from model.hf_layout import load_model
-    from model.tokenizer import load_tokenizer
+    from k3rl.model.formats.layouts import load_model
+    from k3rl.model.tokenizer import load_tokenizer
 
     out = tmp_path / "tiny"
     assert init_main([str(ROOT / "configs/model/tiny.yaml"), str(out), "model.num_hidden_layers=4",
@@ -84,7 +84,9 @@ def test_params_and_init_read_any_recipe(tmp_path, capsys):
 
 def test_export_rewrites_the_old_layout_and_quantizes_on_request(tmp_path, capsys):
     from k3_factory import make_model
-    from model import hf_layout, mxfp4
+
+    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats import mxfp4
 
     old = ROOT / "tests/fixtures/k3_per_expert"
     with pytest.warns(UserWarning, match="k3rl_k3"):

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from k3_factory import K3Config
-from model.config import ModelConfig
-from rl.config import load_model_config
+
+from k3rl.model.config import ModelConfig
+from k3rl.rl.config import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

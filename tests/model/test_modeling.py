@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from k3_factory import make_model
-from model.cache import K3Cache
+
+from k3rl.model.cache import K3Cache
 
 # float64 everywhere except the KDA decay gate, which kernels/kda/gate.py always computes in fp32:
 # one fp32 rounding of g bounds the agreement of two float64 paths at ~1e-8.

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.hf_names import split_experts
-from model.moe import MLP, MoE, Router, build_ffn, is_moe_layer
+from k3rl.model.config import ModelConfig
+from k3rl.model.formats.names import split_experts
+from k3rl.model.moe import MLP, MoE, Router, build_ffn, is_moe_layer
 
 
 def make_config(**kw) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""model/mxfp4.py: the MXFP4 codec of compressed-tensors' `mxfp4-pack-quantized` format.
+"""model/formats/mxfp4.py: the MXFP4 codec of compressed-tensors' `mxfp4-pack-quantized` format.
 
 Exact on every E2M1 value at scales from 2^−127 to 2^127, ties to even, saturation, the scale choice at the
 1.75 significand, zero / −0 / subnormal / huge / NaN / Inf groups, the round-trip bound on random weights,
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import mxfp4
-from model.mxfp4 import E2M1_MAGNITUDES, dequantize, quantize
+from k3rl.model.formats import mxfp4
+from k3rl.model.formats.mxfp4 import dequantize, quantize
 
 # Codes 0…15 twice: one group of 32 holding every E2M1 value.
 ALL_CODES = torch.arange(32) % 16

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from k3_factory import make_config, make_model
-from model.policy import Policy, load_policy
+
+from k3rl.model.policy import Policy, load_policy
 
 PAD = 0
 # Row 0: four documents (one of a single token); row 1: two documents and right padding as its own document;
@@ -67,7 +67,7 @@ def test_packed_nll_loss_and_gradients_equal_separate_documents(nope):
     model = _model(nope)
     ids, pos, docs = _batch(seed=1)
     labels = ids.clone()
-    for b, (lengths, pad) in enumerate(ROWS):
+    for b, (_lengths, pad) in enumerate(ROWS):
         labels[b, T - pad:] = -100
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -155,7 +155,7 @@ def test_bad_position_ids():
 def test_make_step_marks_documents_and_positions():
     """RoPE is relative, so restarted positions cannot show in the outputs (above): the step must carry the
     given positions, the documents of each row and their boundaries laid end to end."""
-    from model.cache import make_step
+    from k3rl.model.cache import make_step
 
     _, pos, _ = _batch()
     step = make_step((len(ROWS), T), "cpu", None, None, 4096, pos)

@@ -11,14 +11,14 @@ import json
 
 import pytest
 import torch
-
-from model.logprobs import naive_selected_logprobs
-from model.policy import Policy, load_policy
 from k3_factory import make_model
+
+from k3rl.model.logprobs import naive_selected_logprobs
+from k3rl.model.policy import Policy, load_policy
 
 
 def old_hidden(model, ids, rows, mask=None):
-    """What rl/learner.py computed before the adapter."""
+    """What rl/train/learner.py computed before the adapter."""
     if "return_hidden_states" in type(model).forward.__code__.co_varnames:
         out = model(ids, routed_expert_ids=None, return_hidden_states=True, logits_to_keep=1)
         return model.model.norm(out.hidden_states[rows])

@@ -5,7 +5,7 @@ experts of width 32 so that MXFP4's groups of 32 fit): config.json from `hf_layo
 llm-compressor-style compressed-tensors `quantization_config`, bfloat16 weights (the router bias float32)
 sharded over ≥ 3 files with an index, the routed experts stored by `weight_files.write_weights` as
 `weight_packed`/`weight_scale`. `hf_layout.load_model` must give a K3ForCausalLM whose weights equal, bit for
-bit, a native model holding the dequantized values (computed here from model/mxfp4.py on the stacked experts,
+bit, a native model holding the dequantized values (computed here from model/formats/mxfp4.py on the stacked experts,
 not through the reader), hence the same logits; and a `Learner` starts from the directory and takes a step.
 """
 
@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from k3_factory import make_config, make_model
-from model import mxfp4
-from model.hf_layout import load_model, released_config, to_released_names
-from model.weight_files import INDEX_NAME, write_weights
+
+from k3rl.model.formats import mxfp4
+from k3rl.model.formats.layouts import load_model, released_config, to_released_names
+from k3rl.model.formats.weight_files import INDEX_NAME, write_weights
 
 
 def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -81,10 +81,10 @@ def test_load_model_gives_the_dequantized_weights_and_their_logits(released):
 
 
 def test_learner_starts_from_the_released_directory(released):
-    from rl.learner import Learner, LearnerConfig
-    from rollout.torch_engine import TorchEngine
-    from rollout.engine import SamplingParams
-    from rollout.trajectory import TrajectoryBuilder
+    from k3rl.rl.train.learner import Learner, LearnerConfig
+    from k3rl.rollout.engine import SamplingParams
+    from k3rl.rollout.torch_engine import TorchEngine
+    from k3rl.rollout.trajectory import TrajectoryBuilder
 
     directory, _, _ = released
     learner = Learner(LearnerConfig(model_path=str(directory), lr=1e-3, max_grad_norm=10.0, micro_batch_tokens=64))

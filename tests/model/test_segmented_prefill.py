@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import model.mla as mla
 from k3_factory import make_config, make_model
-from model.cache import K3Cache, make_step
-from model.mla import MultiheadLatentAttention
-from model.policy import Policy
+
+import k3rl.model.mla as mla
+from k3rl.model.cache import K3Cache, make_step
+from k3rl.model.mla import MultiheadLatentAttention
+from k3rl.model.policy import Policy
 
 
 def _padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +84,7 @@ def test_segmented_prefill_equals_one_piece_k3(monkeypatch, segment):
 
 def test_segmented_prefill_equals_one_piece_hf(tiny_qwen3_dir):
     """Any HF causal LM: its own KV cache, explicit positions, left padding across segments."""
-    from model.policy import load_policy
+    from k3rl.model.policy import load_policy
 
     policy = load_policy(tiny_qwen3_dir, dtype=torch.float64)
     torch.manual_seed(4)
@@ -104,8 +104,8 @@ def test_torch_engine_prefills_in_segments(monkeypatch):
     """The native engine's greedy tokens and logprobs do not depend on its prefill segment."""
     from types import SimpleNamespace
 
-    from rollout.engine import SamplingParams
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rollout.engine import SamplingParams
+    from k3rl.rollout.torch_engine import TorchEngine
 
     model = make_model(make_config(num_hidden_layers=4, kda_layers=(1, 2, 4)), seed=5)
     tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)  # no stop strings: the engine never decodes

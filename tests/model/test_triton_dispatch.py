@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import kernels.attn_res as attn_res_entry
-import kernels.kda.chunk_triton as kda_chunk_triton
-import kernels.kda.recurrent_triton as kda_recurrent_triton
-import kernels.moe as moe
-import kernels.situ.fused as situ_fused
 from k3_factory import make_model
+
+import k3rl.kernels.attn_res as attn_res_entry
+import k3rl.kernels.kda.chunk_triton as kda_chunk_triton
+import k3rl.kernels.kda.recurrent_triton as kda_recurrent_triton
+import k3rl.kernels.moe as moe
+import k3rl.kernels.situ.fused as situ_fused
 
 pytestmark = pytest.mark.triton
 

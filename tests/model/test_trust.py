@@ -1,11 +1,11 @@
-"""A model directory is untrusted (model/trust.py): its own Python code runs in no loader, command or Ray worker
+"""A model directory is untrusted (model/formats/trust.py): its own Python code runs in no loader, command or Ray worker
 unless `run.trust_remote_code` / `k3rl export --trust-remote-code` allows it, and every file its index names
 resolves inside it.
 
 The evil directories are the tiny Qwen3 with an `auto_map` to a `tokenization_x.py` (tokenizer_config.json) and
 to `configuration_x.py` / `modeling_x.py` (config.json); importing any of them writes a marker file, so "nothing
 ran" is checked by the marker's absence. k3rl's own K3 directories (whose config.json `auto_map` names k3rl's
-model/remote/ copies) load without the opt-in."""
+model/formats/remote/ copies) load without the opt-in."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from k3_factory import make_model
-from model import hf_layout
-from model.cli import export_main
-from model.trust import PathEscapeError, RemoteCodeError, remote_code_requests
+
+from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.trust import PathEscapeError, RemoteCodeError, remote_code_requests
+from k3rl.rl.commands.model_tools import export_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,11 +99,11 @@ def k3_src(tiny_qwen3_dir, tmp_path):
 # ---- remote code: refused everywhere without the opt-in
 
 def test_loaders_run_nothing_and_name_the_file_and_the_opt_in(evil):
-    from model.policy import load_policy
-    from model.tokenizer import load_tokenizer
-    from rollout.vllm_cpu import make_cpu_llm
-    from rollout.vllm_engine import VLLMEngine
-    from rollout.worker import WorkerSpec, build_engine
+    from k3rl.model.policy import load_policy
+    from k3rl.model.tokenizer import load_tokenizer
+    from k3rl.rollout.vllm_cpu import make_cpu_llm
+    from k3rl.rollout.vllm_engine import VLLMEngine
+    from k3rl.rollout.worker import WorkerSpec, build_engine
 
     d, markers = evil
     with pytest.raises(RemoteCodeError, match=r"tokenizer_config.json: auto_map AutoTokenizer → "
@@ -123,7 +123,7 @@ def test_loaders_run_nothing_and_name_the_file_and_the_opt_in(evil):
 
 
 def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
-    from rl.learner import Learner, LearnerConfig
+    from k3rl.rl.train.learner import Learner, LearnerConfig
 
     d, markers = make_evil(tiny_qwen3_dir, tmp_path / "evil", tokenizer=False)
     with pytest.raises(RemoteCodeError, match=r"config.json: auto_map AutoConfig → configuration_x.XConfig"):
@@ -132,10 +132,10 @@ def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
 
 
 def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
-    from rl import pretrain, sft
-    from rl.config import ConfigError, JobConfig, load_config
-    from rl.eval_runners import ModelRunner, check_evaluated
-    from rl.trainer import Trainer
+    from k3rl.rl.commands import pretrain, sft
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.eval.runners import ModelRunner, check_evaluated
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     d, markers = evil
     runs = tmp_path / "runs"
@@ -157,8 +157,8 @@ def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
 
 
 def test_the_opt_in_runs_the_code(evil):
-    from model.policy import load_policy
-    from model.tokenizer import load_tokenizer
+    from k3rl.model.policy import load_policy
+    from k3rl.model.tokenizer import load_tokenizer
 
     d, markers = evil
     assert type(load_tokenizer(d, trust_remote_code=True)).__name__ == "XTokenizer"
@@ -170,7 +170,7 @@ def test_the_opt_in_runs_the_code(evil):
 @pytest.mark.ray
 def test_a_ray_rollout_worker_gets_the_setting_from_its_spec(ray_cluster, evil):
     ray = ray_cluster
-    from rollout.worker import WorkerSpec, start_workers
+    from k3rl.rollout.worker import WorkerSpec, start_workers
 
     d, markers = evil
     spec = WorkerSpec(model_dir=str(d), env="search", engine="torch")
@@ -188,18 +188,18 @@ def test_a_ray_rollout_worker_gets_the_setting_from_its_spec(ray_cluster, evil):
 
 
 def test_k3rl_own_directories_need_no_opt_in(tmp_path):
-    from model.config import K3Config
-    from model.init import init_model
-    from model.policy import load_policy
-    from model.tokenizer import load_tokenizer
-    from rl.config import JobConfig, load_config
+    from k3rl.model.config import K3Config
+    from k3rl.model.init import init_model
+    from k3rl.model.policy import load_policy
+    from k3rl.model.tokenizer import load_tokenizer
+    from k3rl.rl.config import JobConfig, load_config
 
     cfg = load_config(ROOT / "configs/model/tiny.yaml", ["model.num_hidden_layers=2",
                                                          "model.linear_attn_config.kda_layers=[1]",
                                                          "model.linear_attn_config.full_attn_layers=[2]"], JobConfig)
     out = tmp_path / "own"
     init_model(K3Config.from_model_config(cfg.model), out, seed=0)
-    assert json.loads((out / "config.json").read_text())["auto_map"]  # k3rl's model/remote/ copies
+    assert json.loads((out / "config.json").read_text())["auto_map"]  # k3rl's model/formats/remote/ copies
     assert remote_code_requests(out) == []
     assert load_tokenizer(out).eos_token == "<|im_end|>"
     assert load_policy(out).is_k3
@@ -242,7 +242,7 @@ def _index(src: Path) -> dict:
 
 @pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
 def test_index_entries_outside_the_directory_are_refused(k3_plain, tmp_path, capsys, where):
-    from model.weight_files import read_weights
+    from k3rl.model.formats.weight_files import read_weights
 
     index = _index(k3_plain)
     name = "lm_head.weight"
@@ -269,7 +269,7 @@ def test_index_entries_outside_the_directory_are_refused(k3_plain, tmp_path, cap
 
 def test_a_hub_cache_snapshot_loads_through_its_blob_symlinks(k3_plain, tmp_path):
     """The Hugging Face cache keeps `snapshots/REV/FILE` as symlinks to `../../blobs/HASH`: not an escape."""
-    from model.weight_files import read_weights
+    from k3rl.model.formats.weight_files import read_weights
 
     repo = tmp_path / "hub" / "models--org--tiny"
     (repo / "blobs").mkdir(parents=True)
@@ -290,7 +290,7 @@ def test_a_hub_cache_snapshot_loads_through_its_blob_symlinks(k3_plain, tmp_path
 
 
 def test_a_side_file_leading_out_is_refused(k3_plain, tmp_path):
-    from model.weight_files import read_extra
+    from k3rl.model.formats.weight_files import read_extra
 
     (tmp_path / "patch.safetensors").write_bytes((k3_plain / _index(k3_plain)["weight_map"]["lm_head.weight"])
                                                   .read_bytes())

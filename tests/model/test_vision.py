@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from k3_factory import make_config
-from model.vision import PatchEmbed, patchify
+
+from k3rl.model.vision import PatchEmbed, patchify
 
 
 def test_patch_projection_equals_strided_conv():

@@ -121,7 +121,7 @@ def vllm_dist(tmp_path_factory):
 
 
 def save_k3(model, directory: Path, layout: str) -> Path:
-    from model.hf_layout import save_model
+    from k3rl.model.formats.layouts import save_model
 
     return save_model(model, directory, layout=layout)
 
@@ -250,7 +250,7 @@ def test_vllm_k3_loads_every_parameter_of_a_k3rl_checkpoint(layout, vllm_dist, t
 
     # weight sync: the learner's internal names (stacked experts, the patch weight among them), mapped by
     # VLLMEngine's `released_weights`, load into the same tree and replace every parameter
-    from rollout.vllm_engine import released_weights
+    from k3rl.rollout.vllm_engine import released_weights
 
     gen = torch.Generator().manual_seed(5)
     update = {n: t + torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in state.items()}
@@ -265,7 +265,7 @@ def test_vllm_engine_refuses_k3_without_cuda(tmp_path):
     """On a CPU host VLLMEngine names the torch engine for a K3 directory instead of failing inside vLLM."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA host serves K3 through vLLM")
-    from rollout.vllm_engine import VLLMEngine
+    from k3rl.rollout.vllm_engine import VLLMEngine
 
     directory = save_k3(tiny_k3("kimi_k3"), tmp_path / "k3", "kimi_k3")
     with pytest.raises(ValueError, match="torch engine"):
@@ -281,8 +281,8 @@ def test_vllm_config_of_a_served_directory(layout, tmp_path):
     tokenizer): the config must build, and a kimi_k3 directory must run text-only."""
     from vllm.config import ModelConfig
 
-    from model.hf_layout import save_model
-    from model.tokenizer import train_tokenizer
+    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=300)
     directory = save_model(tiny_k3(layout), tmp_path / layout, layout=layout, tokenizer_from=tokenizer)

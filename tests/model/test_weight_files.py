@@ -1,4 +1,4 @@
-"""model/weight_files.py: sharded safetensors + index, MXFP4 experts, and a synthesized released-format K3 directory.
+"""model/formats/weight_files.py: sharded safetensors + index, MXFP4 experts, and a synthesized released-format K3 directory.
 
 The released directory is built here from names and shapes alone (a tiny K3: d = 32, 4 routed experts of
 width 32, two layers), as `moonshotai/Kimi-K3` lays it out: `config.json` with `model_type kimi_k3`, the
@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import mxfp4
-from model.weight_files import INDEX_NAME, PATCH_EMBED_FILE, read_extra, read_weights, write_extra, write_weights
+from k3rl.model.formats import mxfp4
+from k3rl.model.formats.weight_files import INDEX_NAME, PATCH_EMBED_FILE, read_extra, read_weights, write_extra, write_weights
 
 D, E, I_MOE, VOCAB = 32, 4, 32, 97
 P = "language_model."
@@ -116,7 +116,7 @@ def test_released_dir_random_weights_within_the_mxfp4_bound(tmp_path):
         if not _experts(name):
             assert torch.equal(got[name], x), name
             continue
-        # Each element within a quarter of its group's amax (model/mxfp4.py), and not everything exact.
+        # Each element within a quarter of its group's amax (model/formats/mxfp4.py), and not everything exact.
         err = (got[name] - x).reshape(x.shape[0], -1, 32).abs()
         assert (err <= x.reshape(x.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 4).all(), name
         assert err.max() > 0, name

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rl.algos import ALGOS, LossInputs, get_algo
+from k3rl.rl.algos import ALGOS, LossInputs, get_algo
 
 # the policy-gradient algorithms; the supervised objective (nll) has its own test at the end
 RL_ALGOS = sorted(name for name, cls in ALGOS.items() if cls.uses_rewards)
@@ -349,8 +349,8 @@ def test_nll_hand_computed_and_accumulates():
     """NLL: −Σ log p / N over the global step; two micro-batches add up to the whole; no rewards used."""
     import torch
 
-    from rl.algos import get_algo
-    from rl.algos.base import LossInputs
+    from k3rl.rl.algos import get_algo
+    from k3rl.rl.algos.base import LossInputs
 
     algo = get_algo("nll")
     assert not algo.uses_rewards and algo.advantages(torch.tensor([3.0, -1.0])).tolist() == [1.0, 1.0]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl import checkpoint as ckpt
-from rollout.trajectory import Trajectory
+from k3rl.rl import checkpoint as ckpt
+from k3rl.rollout.trajectory import Trajectory
 
 REPO = Path(__file__).parents[2]
 

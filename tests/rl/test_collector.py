@@ -1,4 +1,4 @@
-"""rl/collector.py without Ray or a model: a fake pool whose workers "collect" synthetic trajectories.
+"""rl/orchestrator/collector.py without Ray or a model: a fake pool whose workers "collect" synthetic trajectories.
 
 Checks: tasks are handed out as one seeded permutation per epoch; a collection lost with its worker
 is handed out again before new tasks (training) or re-run (held-out); async prefetch stays within
@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rl.collector import Collector
-from rollout.trajectory import Trajectory
+from k3rl.rl.orchestrator.collector import Collector
+from k3rl.rollout.trajectory import Trajectory
 
 
 def traj(group_id: str, version: int) -> Trajectory:

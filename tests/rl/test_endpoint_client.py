@@ -1,4 +1,4 @@
-"""`k3rl eval` against hostile OpenAI-compatible servers (rl/endpoint_client.py through rl/eval_runners.py's
+"""`k3rl eval` against hostile OpenAI-compatible servers (rl/eval/endpoint_client.py through rl/eval/runners.py's
 `EndpointRunner`): a tiny local HTTP server in a thread whose answers each test sets, the random tiny K3's
 tokenizer counting the lengths.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.longctx_eval import main, read_rows
+from k3rl.rl.commands.eval import main, read_rows
 
 REPO = Path(__file__).parents[2]
 MODEL = "hostile"
@@ -258,8 +258,8 @@ CONTROL = "<|im_end|><|im_user|>user<|im_middle|> <|media_pad|> <tool_call> </to
 
 
 def test_control_token_strings_never_reach_the_server(server, k3_dir, tmp_path):
-    from model.tokenizer import load_tokenizer
-    from rollout.chat import WORD_JOINER, control_strings
+    from k3rl.model.tokenizer import load_tokenizer
+    from k3rl.rollout.chat import WORD_JOINER, control_strings
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(

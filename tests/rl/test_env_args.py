@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import envs
-from envs.registry import EnvArgumentError
+import k3rl.envs as envs
+from k3rl.envs.registry import EnvArgumentError
 
 REPO = Path(__file__).parents[2]
 BAD_ASK = "ask: 'number' or 'colour', got 'size'"
@@ -31,8 +31,8 @@ def test_make_names_refused_values():
 
 
 def test_k3rl_train_refuses_before_the_run_directory(tiny_qwen3_dir, tmp_path):
-    from rl.config import ConfigError, load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     items = [f"run.output_dir={tmp_path / 'runs'}", "run.name=ask", f"rl.model_path={tiny_qwen3_dir}",
              "env.name=needle", "env.args={length: 1024, ask: size}"]
@@ -42,7 +42,7 @@ def test_k3rl_train_refuses_before_the_run_directory(tiny_qwen3_dir, tmp_path):
 
 
 def test_k3rl_sft_refuses_before_the_run_directory(tmp_path, capsys):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     job = {"base": [str(REPO / "configs/model/tiny.yaml")], "run": {"output_dir": str(tmp_path / "runs"), "name": "ask"},
            "env": {"name": "needle", "args": {"length": 1024, "ask": "size"}}}
@@ -54,7 +54,7 @@ def test_k3rl_sft_refuses_before_the_run_directory(tmp_path, capsys):
 
 
 def test_k3rl_eval_names_the_argument(k3_dir, tmp_path, capsys):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     argv = ["eval", str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={tmp_path / 'runs'}", "run.name=ask",
             f"eval.model_path={k3_dir}", "eval.families=[needle]", "env.name=needle", "env.args.ask=size"]

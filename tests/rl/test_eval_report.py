@@ -1,4 +1,4 @@
-"""rl/eval_report.py on hand-made task rows: results.json is strict JSON whatever the cells hold (one task: a
+"""rl/eval/report.py on hand-made task rows: results.json is strict JSON whatever the cells hold (one task: a
 component's interval of one sample; every task failed: no success), and results.md renders the same cells; a
 task is binned by its deepest evidence passage."""
 
@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from rl.eval_report import aggregate, effective_length, write_results
+from k3rl.rl.eval.report import aggregate, effective_length, write_results
 
 
 def row(runner: str, length: int, success: bool, error: str = "", depth: float | None = 0.5) -> dict:
-    """A tasks.jsonl row as rl/eval_runners.py's `task_row` writes it (the fields `aggregate` reads)."""
+    """A tasks.jsonl row as rl/eval/runners.py's `task_row` writes it (the fields `aggregate` reads)."""
     em = float(success and not error)
     return {"runner": runner, "family": "needle", "serve": "context", "length": length, "error": error,
             "reward": em, "rewards": {} if error else {"em": em, "f1": em}, "success": bool(em),

@@ -1,4 +1,4 @@
-"""rl/evaluate.py: the one scorer — success by the environment's rule, reward components with intervals,
+"""rl/eval/evaluate.py: the one scorer — success by the environment's rule, reward components with intervals,
 breakdowns by task field — checked against hand-computed cases."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl.evaluate import breakdown, is_success, mean_interval, score, success_rule
-from rl.metrics import wilson_interval
+from k3rl.rl.eval.evaluate import breakdown, is_success, mean_interval, score, success_rule
+from k3rl.rl.metrics import wilson_interval
 
 
 def ep(reward: float, tool_calls: float = 1.0, **rewards: float) -> SimpleNamespace:
@@ -23,8 +23,8 @@ def test_success_follows_the_declared_component_else_the_reward():
 
 
 def test_the_environment_declares_its_rule():
-    import envs
-    from envs import Env
+    import k3rl.envs as envs
+    from k3rl.envs import Env
 
     class Plain(Env):
         def reset(self, task):

@@ -1,4 +1,4 @@
-"""Expert parallelism × FSDP2 (rl/parallel.py `apply_parallelism`, rl/expert_parallel.py) equals one rank.
+"""Expert parallelism × FSDP2 (rl/train/parallel.py `apply_parallelism`, rl/train/expert_parallel.py) equals one rank.
 
 One spawn of 4 gloo ranks runs every parallel case (process start-up dominates the time on the CPU), while
 the test process computes the one-rank reference:
@@ -57,7 +57,7 @@ def _batch():
 
 def _loss(model, ids, adv, replay, n_tokens: int) -> torch.Tensor:
     """The learner's contract: a sum over this rank's tokens divided by the GLOBAL token count."""
-    from model.policy import Policy
+    from k3rl.model.policy import Policy
 
     policy = Policy(model)
     b = ids.shape[0]
@@ -79,8 +79,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _step(model, opt, ids, adv, replay, group=None, mesh=None):
     """Forward, backward, gradient sum, AdamW step, router balancing; (loss, grads before the step)."""
-    from rl import parallel
-    from rl.router_balance import balance_routers
+    from k3rl.rl.train import parallel
+    from k3rl.rl.train.router_balance import balance_routers
 
     loss = _loss(model, ids, adv, replay, B * (T - 1))
     loss.backward()
@@ -112,8 +112,8 @@ def _reference() -> dict:
 
 
 def _run_case(case: str, mesh, rank: int, tmp: str) -> None:
-    from rl import parallel
-    from rl.expert_parallel import expert_parameters, local_nbytes
+    from k3rl.rl.train import parallel
+    from k3rl.rl.train.expert_parallel import expert_parameters, local_nbytes
 
     ranks, ep, fsdp = CASES[case]
     group = parallel.mesh_group(mesh)
@@ -142,7 +142,7 @@ def _run_case(case: str, mesh, rank: int, tmp: str) -> None:
 
 
 def _worker(rank: int, world: int, init_file: str, tmp: str) -> None:
-    from rl import parallel
+    from k3rl.rl.train import parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

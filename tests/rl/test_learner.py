@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from rl import checkpoint as ckpt
-from rl.batching import pack_micro_batches
-from rl.learner import Learner, LearnerConfig, LearnerGroup
-from rl.parallel import split_balanced
-from rollout.engine import SamplingParams
-from rollout.trajectory import Trajectory, TrajectoryBuilder
+from k3rl.rl import checkpoint as ckpt
+from k3rl.rl.train.batching import pack_micro_batches
+from k3rl.rl.train.learner import Learner, LearnerConfig, LearnerGroup
+from k3rl.rl.train.parallel import split_balanced
+from k3rl.rollout.engine import SamplingParams
+from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 from tests.hostile import RunsCode
 
 PROMPTS = [[5, 17, 42, 99, 7, 250], [11, 12, 300, 8], [60, 61, 62, 63, 64, 65, 66]]
@@ -62,7 +62,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = 0.0):
 
 @pytest.fixture(scope="module")
 def qwen_batch(tiny_qwen3_dir):
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rollout.torch_engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(tiny_qwen3_dir, seed=0)
     return sample(engine, PROMPTS)
@@ -114,7 +114,7 @@ def test_steps_raise_rewarded_and_lower_unrewarded_logprobs(tiny_qwen3_dir, qwen
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(tiny_qwen3_dir, qwen_batch):
-    from rl.config import load_config
+    from k3rl.rl.config import load_config
 
     cfg = LearnerConfig.from_job(load_config(None, ["algo.name=ppo", "learner.lr=1e-3"]), tiny_qwen3_dir,
                                  algo_args={"kl_coef": 0.1}, micro_batch_tokens=64)
@@ -166,7 +166,7 @@ def test_nonfinite_batch_is_skipped(tiny_qwen3_dir, qwen_batch, poison):
 
 def test_nonfinite_weights_at_load_refuse_to_start(tmp_path, tiny_qwen3_dir):
     """A NaN in the loaded weights would make every step skip, forever: the learner refuses, naming it (its loader,
-    model/policy.py `load_policy`, refuses first: model/integrity.py)."""
+    model/policy.py `load_policy`, refuses first: model/formats/integrity.py)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -389,9 +389,9 @@ K3_PROMPTS = [[3, 100, 200, 300, 400, 500], [3, 7, 8, 9]]
 @pytest.fixture(scope="module")
 def k3_setup(tmp_path_factory):
     """The tiny K3 saved as an HF dir, and trajectories its TorchEngine sampled (with routing)."""
-    from rl.config import load_model_config
-    from model.modeling import K3ForCausalLM
-    from rollout.torch_engine import TorchEngine
+    from k3rl.model.modeling import K3ForCausalLM
+    from k3rl.rl.config import load_model_config
+    from k3rl.rollout.torch_engine import TorchEngine
 
     torch.manual_seed(0)
     k3 = K3ForCausalLM(load_model_config(str(Path(__file__).parents[2] / "configs/model/tiny.yaml")))

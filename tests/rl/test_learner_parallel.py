@@ -40,7 +40,7 @@ SHAPES = [(6, 7), (2, 2), (3, 2), (2, 3), (2, 2), (3, 3)]
 
 
 def _model_dir(root: Path) -> Path:
-    from model import hf_layout
+    from k3rl.model.formats import layouts as hf_layout
 
     model = make_model(make_config(num_hidden_layers=3, kda_layers=(1, 2)), seed=0)
     with torch.no_grad():
@@ -50,7 +50,7 @@ def _model_dir(root: Path) -> Path:
 
 
 def _trajectories() -> list:
-    from rollout.trajectory import TrajectoryBuilder
+    from k3rl.rollout.trajectory import TrajectoryBuilder
 
     g = np.random.default_rng(3)
     out = []
@@ -62,7 +62,7 @@ def _trajectories() -> list:
 
 
 def _cfg(model_dir: Path, **kw):
-    from rl.learner import LearnerConfig
+    from k3rl.rl.train.learner import LearnerConfig
 
     base = dict(model_path=str(model_dir), dtype="float64", lr=1e-2, weight_decay=0.1, max_grad_norm=0.05,
                 micro_batch_tokens=8, share_prefix=False)
@@ -70,15 +70,15 @@ def _cfg(model_dir: Path, **kw):
 
 
 def _shares(trajectories: list, advantages: np.ndarray) -> list[tuple[list, list[float]]]:
-    from rl.parallel import split_balanced
+    from k3rl.rl.train.parallel import split_balanced
 
     parts = split_balanced([len(t.tokens) for t in trajectories], 2)
     return [([trajectories[i] for i in part], [float(advantages[i]) for i in part]) for part in parts]
 
 
 def _worker(rank: int, init_file: str, tmp: str, cfg, shares, score_shares) -> None:
-    from rl import checkpoint as ckpt
-    from rl.learner import Learner
+    from k3rl.rl import checkpoint as ckpt
+    from k3rl.rl.train.learner import Learner
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -114,10 +114,10 @@ def _close(got: dict, want: dict, what: str) -> None:
 
 
 def test_expert_parallel_fsdp_learner_equals_one_rank(tmp_path):
-    from model import hf_layout
-    from rl import checkpoint as ckpt
-    from rl.learner import Learner, compute_advantages
-    from rl.algos import get_algo
+    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.rl import checkpoint as ckpt
+    from k3rl.rl.algos import get_algo
+    from k3rl.rl.train.learner import Learner, compute_advantages
 
     model_dir = _model_dir(tmp_path)
     trajectories = _trajectories()
@@ -167,9 +167,9 @@ def test_expert_parallel_fsdp_learner_equals_one_rank(tmp_path):
 def test_train_config_takes_expert_parallel_and_fsdp(tmp_path, capsys):
     """`k3rl train … learner.expert_parallel=2 learner.fsdp=true` passes the config checks; what a sharded learner
     cannot run is refused before anything starts, naming the key."""
-    from rl.config import load_config
-    from rl.learner import LearnerConfig
-    from rl.trainer import TrainJobConfig, main
+    from k3rl.rl.config import load_config
+    from k3rl.rl.orchestrator.trainer import TrainJobConfig, main
+    from k3rl.rl.train.learner import LearnerConfig
 
     model_dir = tmp_path / "m"
     model_dir.mkdir()

@@ -1,4 +1,4 @@
-"""`k3rl eval` (rl/longctx_eval.py) on a small grid: needle and multi-hop × in context and behind search ×
+"""`k3rl eval` (rl/commands/eval.py) on a small grid: needle and multi-hop × in context and behind search ×
 two lengths, a random tiny K3 (built once by `k3rl init`'s function) and the oracle / closed-book baselines.
 
 Checks: every cell and runner gets its rows and outputs; the oracle solves every task, the closed-book
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.eval_report import effective_length
-from rl.longctx_eval import main, read_rows
+from k3rl.rl.commands.eval import main, read_rows
+from k3rl.rl.eval.report import effective_length
 
 REPO = Path(__file__).parents[2]
 GRID = ["eval.families=[needle,multihop]", "eval.serve=[context,search]", "eval.context_lengths=[1024,2048]",
@@ -134,7 +134,7 @@ def test_kill_9_mid_eval_then_resume_loses_and_repeats_nothing(k3_dir, tmp_path)
     import sys
     import time
 
-    cmd = [sys.executable, "-m", "rl.longctx_eval", str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={tmp_path}",
+    cmd = [sys.executable, "-m", "k3rl.rl.commands.eval", str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={tmp_path}",
            "run.name=e", f"eval.model_path={k3_dir}", *GRID, "eval.families=[needle]", "eval.context_lengths=[1024]",
            "eval.num_tasks=4", "eval.batch_size=1"]
     rows_file = tmp_path / "e" / "tasks.jsonl"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.longctx_eval import main, read_rows
+from k3rl.rl.commands.eval import main, read_rows
 
 REPO = Path(__file__).parents[2]
 LENGTHS = [512, 1024]
@@ -98,10 +98,10 @@ def test_real_tasks_round_trip_with_the_oracle_at_the_ceiling_and_closed_book_at
 def test_gold_passages_sit_at_the_recorded_depth_and_the_seed_fixes_the_haystacks(k3_dir, tasks_file, tmp_path):
     from transformers import AutoTokenizer
 
-    import envs
-    from envs.longctx.taskfile import read_task_file
-    from rl.config import JobConfig, load_config
-    from rl.longctx_eval import build_grid, env_kwargs
+    import k3rl.envs as envs
+    from k3rl.envs.longctx.taskfile import read_task_file
+    from k3rl.rl.commands.eval import build_grid, env_kwargs
+    from k3rl.rl.config import JobConfig, load_config
 
     tok = AutoTokenizer.from_pretrained(k3_dir)
     cfg = load_config(args(tmp_path, k3_dir, tasks_file)[0], args(tmp_path, k3_dir, tasks_file)[1:], JobConfig)

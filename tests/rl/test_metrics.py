@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.metrics import MetricsLogger, read_metrics
+from k3rl.rl.metrics import MetricsLogger, read_metrics
 
 
 def test_a_resumed_log_holds_each_step_once(tmp_path):
@@ -30,7 +30,7 @@ def test_a_resumed_log_holds_each_step_once(tmp_path):
 def test_non_finite_values_are_written_as_null():
     import json
 
-    from rl.metrics import null_nonfinite
+    from k3rl.rl.metrics import null_nonfinite
 
     def refuse(constant):
         raise ValueError(constant)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rl import checkpoint as ckpt
-from rl.config import ConfigError
+from k3rl.rl import checkpoint as ckpt
+from k3rl.rl.config import ConfigError
 
 REPO = Path(__file__).parents[2]
 SHARD = "model-00001-of-00001.safetensors"
@@ -65,7 +65,7 @@ def eval_args(out: Path, model: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["flipped", "nan"])
 def test_eval_refuses_by_name_before_writing(broken, tmp_path, capsys, kind):
-    from rl.longctx_eval import main
+    from k3rl.rl.commands.eval import main
 
     assert main(eval_args(tmp_path, broken[kind])) == 2
     err = capsys.readouterr().err
@@ -87,8 +87,8 @@ def train_config(tmp_path: Path, model: Path) -> list[str]:
 def test_train_refuses_by_name_before_ray(broken, tmp_path, kind):
     import ray
 
-    from rl.config import load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     started = ray.is_initialized()
     with pytest.raises(ConfigError) as e:
@@ -109,7 +109,7 @@ def sft_job(tmp_path: Path, model: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["flipped", "nan", "truncated", "shape", "missing"])
 def test_sft_refuses_by_name_before_writing(broken, tmp_path, kind):
-    from rl.sft import main
+    from k3rl.rl.commands.sft import main
 
     with pytest.raises(ConfigError) as e:
         main([str(sft_job(tmp_path, broken[kind]))])
@@ -118,7 +118,7 @@ def test_sft_refuses_by_name_before_writing(broken, tmp_path, kind):
 
 
 def test_sft_exits_2_with_the_named_error(broken, tmp_path, capsys):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     assert main(["sft", str(sft_job(tmp_path, broken["nan"]))]) == 2
     assert f"k3rl sft: sft.model_dir: {broken['nan']}: non-finite weights" in capsys.readouterr().err
@@ -130,8 +130,9 @@ def test_a_clean_directory_passes(k3_dir):
 
 @pytest.mark.parametrize("kind", ["flipped", "nan"])
 def test_pretrain_refuses_its_start_model_by_name(broken, tmp_path, capsys, kind):
-    from rl.cli import main
     from test_pretrain import climb_config
+
+    from k3rl.rl.commands.cli import main
 
     config = climb_config(tmp_path, "m")
     assert main(["pretrain", str(config), f"pretrain.model_dir={broken[kind]}"]) == 2
@@ -141,7 +142,7 @@ def test_pretrain_refuses_its_start_model_by_name(broken, tmp_path, capsys, kind
 
 
 def test_eval_loads_nan_weights_when_allowed(broken, tmp_path):
-    from rl.longctx_eval import main
+    from k3rl.rl.commands.eval import main
 
     with pytest.warns(UserWarning, match=f"{TENSOR} in {SHARD} \\(3 values\\); loaded anyway"):
         assert main(eval_args(tmp_path, broken["nan"], "run.allow_nonfinite_weights=true", "eval.baselines=[]",

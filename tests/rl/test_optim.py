@@ -1,4 +1,4 @@
-"""Tests of rl/optim.py: `ExpertMuon` on stacked experts equals `torch.optim.Muon` on the experts as separate
+"""Tests of rl/train/optim.py: `ExpertMuon` on stacked experts equals `torch.optim.Muon` on the experts as separate
 2-D parameters, and `build_optimizers` routes each parameter to the right optimizer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.optim import ExpertMuon, build_optimizers
+from k3rl.rl.train.optim import ExpertMuon, build_optimizers
 
 
 def test_expert_muon_equals_torch_muon_per_expert():

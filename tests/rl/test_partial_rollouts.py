@@ -33,23 +33,20 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import envs.tools as T
-from envs import Env, format_call, tool
-from envs.base import Budget
-from rl.buffer import TrajectoryBuffer
-from rl.metrics import read_metrics
-from rollout.agent_loop import AgentLoop, EpisodeRequest, PausedEpisode
-from rollout.engine import SamplingParams
-from rollout.trajectory import Trajectory, TrajectoryBuilder
+import k3rl.envs.tools as T
+from k3rl.envs import format_call
+from k3rl.envs.base import Budget
+from k3rl.rl.metrics import read_metrics
+from k3rl.rl.orchestrator.buffer import TrajectoryBuffer
+from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest, PausedEpisode
+from k3rl.rollout.engine import SamplingParams
+from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
+from tests.rl.test_trainer import REPO, child_env, kill_after_a_checkpoint, make_task, overrides, step_lines, task_files, write_config  # noqa: F401 (task_files)
 from tests.rollout.test_agent_loop import Calc
-from tests.rl.test_trainer import (REPO, child_env, kill_after_a_checkpoint, make_task, overrides, step_lines,  # noqa: F401 (task_files)
-                                   task_files, write_config)
-
 
 CALL = format_call("add", {"a": 2, "b": 3})
 ANSWER = format_call("answer", {"value": 5})
@@ -83,7 +80,7 @@ class ScriptedTail:
 
 
 def scripted_loop(model_dir) -> AgentLoop:
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rollout.torch_engine import TorchEngine
 
     engine = ScriptedTail(TorchEngine.from_pretrained(model_dir, seed=0))
     # a seed per generate call: a call in between (an evaluation) does not move the samples of later ones
@@ -127,7 +124,7 @@ def search_tasks(numbers) -> list[tuple[str, dict]]:
 
 
 def looper_spec(model_dir, max_turns: int = 3):
-    from rollout.worker import WorkerSpec
+    from k3rl.rollout.worker import WorkerSpec
 
     return WorkerSpec(model_dir=str(model_dir), env="search", env_kwargs={"corpus": None},
                       sampling=SamplingParams(max_tokens=8), max_context_tokens=2048,
@@ -185,7 +182,7 @@ def test_run_refuses_bad_rounds_and_ended_episodes(tiny_qwen3_dir):
 
 
 def test_worker_holds_groups_across_calls_and_returns_them_whole(looper_dir):
-    from rollout.worker import RolloutWorker
+    from k3rl.rollout.worker import RolloutWorker
 
     w = RolloutWorker(looper_spec(looper_dir))
     same = list(w.engine.model.state_dict().items())
@@ -214,7 +211,7 @@ def test_worker_holds_groups_across_calls_and_returns_them_whole(looper_dir):
 
 
 def test_keep_state_needs_an_engine_that_keeps_states(looper_dir):
-    from rollout.worker import RolloutWorker
+    from k3rl.rollout.worker import RolloutWorker
 
     with pytest.raises(ValueError, match="engine 'vllm' keeps no episode state"):
         RolloutWorker(replace(looper_spec(looper_dir), engine="vllm", partial_resume="keep_state"))
@@ -233,7 +230,7 @@ def no_calls(monkeypatch):
 def k3_worker(k3_dir, partial_resume: str):
     import torch
 
-    from rollout.worker import RolloutWorker
+    from k3rl.rollout.worker import RolloutWorker
 
     return RolloutWorker(replace(looper_spec(k3_dir), partial_resume=partial_resume,
                                  engine_kwargs={"dtype": torch.float64}))
@@ -337,8 +334,8 @@ def test_staleness_bound_applies_to_the_oldest_sampled_token_of_a_partial_rollou
     (["rollout.partial_resume=keep"], "rollout.partial_resume.*reprefill, keep_state"),
 ])
 def test_partial_settings_are_checked_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, extra, message):
-    from rl.config import ConfigError, load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     with pytest.raises(ConfigError, match=message):
         Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "bad") + extra,
@@ -355,9 +352,9 @@ def task_id(group_id: str) -> str:
 
 @pytest.mark.ray
 def test_held_groups_are_in_flight_and_a_killed_holder_has_them_collected_again(ray_cluster, looper_dir):
-    from rl.collector import Collector
-    from rl.rollout_pool import RolloutPool
-    from rollout.worker import build_engine
+    from k3rl.rl.orchestrator.collector import Collector
+    from k3rl.rl.orchestrator.rollout_pool import RolloutPool
+    from k3rl.rollout.worker import build_engine
 
     ray = ray_cluster
     spec = looper_spec(looper_dir)
@@ -414,9 +411,8 @@ def test_held_groups_are_in_flight_and_a_killed_holder_has_them_collected_again(
 @pytest.mark.ray
 def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterrupted_run(ray_cluster, looper_dir,
                                                                                          task_files, tmp_path):
-    from rl import checkpoint as ckpt
-    from rl.config import load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     def items(name: str) -> list[str]:
         return overrides(tmp_path, looper_dir, task_files, name, mode="async", max_staleness=1, steps=6, save_every=2,
@@ -435,7 +431,7 @@ def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterru
     assert len(state["requeue"]) == 2
     before = {r["step"]: r for r in read_metrics(run_dir) if r["step"] <= k}
 
-    resumed = subprocess.run([sys.executable, "-m", "rl.trainer", str(config), "rl.resume=true"], cwd=REPO,
+    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config), "rl.resume=true"], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = read_metrics(run_dir)

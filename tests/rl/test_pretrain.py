@@ -1,4 +1,4 @@
-"""Staged pretraining (`k3rl pretrain`, rl/pretrain.py): packed rows train as separate documents, the stage
+"""Staged pretraining (`k3rl pretrain`, rl/commands/pretrain.py): packed rows train as separate documents, the stage
 hand-off, the RoPE base reaching MLA only, resume after kill -9 with the same data order, named errors for bad stage
 lists. The data pipeline has its own tests (test_pretrain_data.py), the plan too (test_pretrain_plan.py)."""
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from model.hf_layout import read_config
-from rl.config import ConfigError, JobConfig, load_config
-from rollout.trajectory import Trajectory
+from k3rl.model.formats.layouts import read_config
+from k3rl.rl.config import ConfigError, JobConfig, load_config
+from k3rl.rollout.trajectory import Trajectory
 
 REPO = Path(__file__).parents[2]
 TINY4 = ["model.num_hidden_layers=4", "model.linear_attn_config.kda_layers=[1,2,3]",
@@ -25,7 +25,7 @@ TINY4 = ["model.num_hidden_layers=4", "model.linear_attn_config.kda_layers=[1,2,
 
 
 def _model(tmp: Path, nope: bool) -> Path:
-    from rl.sft import init_model
+    from k3rl.rl.commands.sft import init_model
 
     cfg = load_config(REPO / "configs/model/tiny.yaml", TINY4 + [f"model.mla_use_nope={str(nope).lower()}"], JobConfig)
     return init_model(cfg.model, tmp / ("nope" if nope else "rope"), seed=0)
@@ -37,7 +37,7 @@ def rope_dir(tmp_path_factory) -> Path:
 
 
 def packed(docs: list[np.ndarray]) -> Trajectory:
-    """The documents laid end to end as one row, positions restarting at each (rl/pretrain_data.py's layout)."""
+    """The documents laid end to end as one row, positions restarting at each (rl/pretrain/data.py's layout)."""
     tokens = np.concatenate(docs).astype(np.int32)
     positions = np.concatenate([np.arange(len(d)) for d in docs]).astype(np.int32)
     return row(tokens, positions)
@@ -59,7 +59,7 @@ def row(tokens: np.ndarray, positions: np.ndarray | None = None) -> Trajectory:
 def test_packed_training_equals_separate_documents(rope_dir, segment):
     """A packed row of four documents (one longer than the segment) gives the same log-probs, loss and gradients as
     the four documents trained as separate sequences (float64)."""
-    from rl.learner import Learner, LearnerConfig
+    from k3rl.rl.train.learner import Learner, LearnerConfig
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(20, 4000, n) for n in (300, 41, 77, 150)]
@@ -94,7 +94,7 @@ def test_packed_training_equals_separate_documents(rope_dir, segment):
 def test_rope_base_reaches_mla_only(rope_dir, tmp_path):
     """`rope_theta` changes what the MLA layers compute and nothing the KDA layers compute, and is saved with the
     model; a NoPE model refuses one (and a stage's rope_theta is dropped for it, with a note)."""
-    from rl.learner import Learner, LearnerConfig
+    from k3rl.rl.train.learner import Learner, LearnerConfig
 
     base = Learner(LearnerConfig(model_path=str(rope_dir), algo="nll", dtype="float64"))
     raised = Learner(LearnerConfig(model_path=str(rope_dir), algo="nll", dtype="float64", rope_theta=640000.0))
@@ -130,7 +130,7 @@ def test_rope_base_reaches_mla_only(rope_dir, tmp_path):
 
 def _write_corpus(root: Path) -> dict[str, Path]:
     """A short-document and a long-document (grouped by book) JSONL source, from the built-in wiki summaries."""
-    from envs.sources import wiki_records
+    from k3rl.envs.sources import wiki_records
 
     records = wiki_records()[:1200]
     short, long = root / "short.jsonl", root / "long.jsonl"
@@ -178,7 +178,7 @@ def child_env(tmp: Path) -> dict:
 
 
 def metrics(stage_dir: Path) -> list[dict]:
-    from rl.metrics import read_metrics
+    from k3rl.rl.metrics import read_metrics
 
     return [r for r in read_metrics(stage_dir) if "data" in r]
 
@@ -186,9 +186,9 @@ def metrics(stage_dir: Path) -> list[dict]:
 def test_stage_handoff_takes_previous_weights_and_optimizer_policy(tmp_path, monkeypatch):
     """Stage 2 starts from stage 1's final checkpoint: the same weights; `optimizer: keep` its AdamW moments with
     stage 2's own learning rate at step 0, `reset` none; the RoPE base is stage 2's."""
-    from rl.config import OptimizerHandoff
-    from rl.learner import Learner
-    from rl.pretrain import Climb
+    from k3rl.rl.commands.pretrain import Climb
+    from k3rl.rl.config import OptimizerHandoff
+    from k3rl.rl.train.learner import Learner
 
     monkeypatch.setenv("K3RL_DATA", str(tmp_path / "data"))
     cfg = load_config(climb_config(tmp_path, "handoff"), [], JobConfig)
@@ -230,11 +230,11 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
 def test_resume_after_kill9_mid_stage_keeps_the_data_order(tmp_path):
     """kill -9 during stage 2 (after a checkpoint, with a later step already logged); the same command resumes the
     stage from its checkpoint: every step's rows (their digest) and the final weights equal an uninterrupted run's."""
-    from model.hf_layout import read_state_dict
-    from rl import checkpoint as ckpt
+    from k3rl.model.formats.layouts import read_state_dict
+    from k3rl.rl import checkpoint as ckpt
 
     whole = climb_config(tmp_path, "whole")
-    done = subprocess.run([sys.executable, "-m", "rl.pretrain", str(whole)], cwd=REPO, env=child_env(tmp_path),
+    done = subprocess.run([sys.executable, "-m", "k3rl.rl.commands.pretrain", str(whole)], cwd=REPO, env=child_env(tmp_path),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = tmp_path / "runs"
@@ -245,7 +245,7 @@ def test_resume_after_kill9_mid_stage_keeps_the_data_order(tmp_path):
     stage2 = runs / "killed/stage2-1K"
     log = tmp_path / "killed.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rl.pretrain", str(killed)], cwd=REPO, env=child_env(tmp_path),
+        proc = subprocess.Popen([sys.executable, "-m", "k3rl.rl.commands.pretrain", str(killed)], cwd=REPO, env=child_env(tmp_path),
                                 stdout=out, stderr=subprocess.STDOUT)
 
         def mid_stage() -> bool:
@@ -255,12 +255,12 @@ def test_resume_after_kill9_mid_stage_keeps_the_data_order(tmp_path):
         _kill_when(proc, mid_stage)
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
     assert not (stage2 / "final").exists()
-    resumed = subprocess.run([sys.executable, "-m", "rl.pretrain", str(killed)], cwd=REPO, env=child_env(tmp_path),
+    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.commands.pretrain", str(killed)], cwd=REPO, env=child_env(tmp_path),
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "stage1-256: finished earlier" in resumed.stdout and "stage2-1K: resuming at step" in resumed.stdout
 
-    from rl.metrics import read_metrics
+    from k3rl.rl.metrics import read_metrics
 
     for name in ("stage1-256", "stage2-1K"):
         a, b = metrics(runs / "whole" / name), metrics(runs / "killed" / name)
@@ -304,7 +304,7 @@ BAD_STAGES = [
 @pytest.mark.parametrize("stages,message", BAD_STAGES, ids=["not-increasing", "zero-tokens", "above-max",
                                                               "batch-not-multiple", "unknown-source", "warmup", "empty"])
 def test_bad_stage_lists_are_named_before_work_starts(tmp_path, capsys, stages, message):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     config = climb_config(tmp_path, "bad", stages=stages)
     assert main(["pretrain", str(config)]) == 2
@@ -314,8 +314,8 @@ def test_bad_stage_lists_are_named_before_work_starts(tmp_path, capsys, stages, 
 
 
 def test_nope_model_ignores_rope_base_with_a_note(tmp_path, monkeypatch):
-    from rl.pretrain import check
-    from rl.stages import learner_config
+    from k3rl.rl.commands.pretrain import check
+    from k3rl.rl.pretrain.stages import learner_config
 
     cfg = load_config(climb_config(tmp_path, "nope"), ["model.mla_use_nope=true"], JobConfig)
     config, notes = check(cfg)
@@ -331,8 +331,8 @@ def test_data_parallel_ranks_on_ray_train_as_one(ray_cluster, tmp_path, monkeypa
     rows per step and the same losses as one rank."""
     from transformers import AutoTokenizer
 
-    from rl.metrics import read_metrics
-    from rl.pretrain import Climb
+    from k3rl.rl.commands.pretrain import Climb
+    from k3rl.rl.metrics import read_metrics
 
     monkeypatch.setenv("K3RL_DATA", str(tmp_path / "data"))
     one_stage = ("    - {seq_len: 256, tokens: 1536, batch_tokens: 512, lr: 3.0e-3, schedule: constant, "

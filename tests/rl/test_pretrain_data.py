@@ -1,4 +1,4 @@
-"""rl/pretrain_data.py: sources → token cache (built once, rebuilt on change) → packed rows (a pure function of r).
+"""rl/pretrain/data.py: sources → token cache (built once, rebuilt on change) → packed rows (a pure function of r).
 
 Reading tests use a small byte-level BPE trained here and compare decoded text; packing tests use `IntTokenizer`
 ("10 11 12" → [10, 11, 12]), whose token values say which document and position they are.
@@ -14,10 +14,10 @@ import zlib
 import numpy as np
 import pytest
 
-from envs.sources import CorpusFileNotFoundError, CorruptCorpusError, builtin_checksum, builtin_texts, data_dir
-from rl import pretrain_data as pd
-from rl.config import DataSource
-from rl.pretrain_data import PackedRows, build_store, default_sources, heldout_documents
+from k3rl.envs.sources import CorpusFileNotFoundError, CorruptCorpusError, builtin_checksum, builtin_texts, data_dir
+from k3rl.rl.config import DataSource
+from k3rl.rl.pretrain import data as pd
+from k3rl.rl.pretrain.data import PackedRows, build_store, default_sources, heldout_documents
 
 EOS = 2
 BASE, STRIDE = 10, 200
@@ -45,7 +45,7 @@ class IntTokenizer:
 
 @pytest.fixture(scope="module")
 def tok():
-    from model.tokenizer import train_tokenizer
+    from k3rl.model.tokenizer import train_tokenizer
 
     return train_tokenizer(itertools.islice(builtin_texts("wiki"), 300), vocab_size=512)
 
@@ -101,7 +101,7 @@ def test_cache_is_built_once_and_rebuilt_when_the_file_or_tokenizer_changes(tmp_
     assert changed.path != store.path and len(calls) == 2
     assert decoded_docs(changed, tok)[0] == "first document, changed"
 
-    from model.tokenizer import train_tokenizer
+    from k3rl.model.tokenizer import train_tokenizer
 
     other = train_tokenizer(itertools.islice(builtin_texts("wiki"), 50), vocab_size=300)
     assert build_store("c", DataSource(path=str(path)), other, cache).path not in (store.path, changed.path)
@@ -168,7 +168,7 @@ def test_streaming_gives_the_same_tokens(tmp_path, tok):
 
 def test_wiki_grouped_by_topic(tmp_path, tok):
     """The built-in wiki source: one document per topic, the summaries in file order."""
-    from envs.sources import wiki_records
+    from k3rl.envs.sources import wiki_records
 
     records = wiki_records()
     topics = list(dict.fromkeys(r["topic"] for r in records))

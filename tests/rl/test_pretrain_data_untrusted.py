@@ -1,4 +1,4 @@
-"""Pretraining data is untrusted input (rl/pretrain_data.py).
+"""Pretraining data is untrusted input (rl/pretrain/data.py).
 
 - A document full of control-token strings (every special token of the tokenizer and the tool markers) never
   becomes control ids: in the cache and in the packed rows the only control id is the EOS the packer writes after
@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs.sources import CorpusError, builtin_texts
-from model.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
-from rl.config import ConfigError, DataSource
-from rl.pretrain_data import PackedRows, build_store, check_sources
-from rollout.chat import WORD_JOINER
+from k3rl.envs.sources import CorpusError, builtin_texts
+from k3rl.model.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
+from k3rl.rl.config import ConfigError, DataSource
+from k3rl.rl.pretrain.data import PackedRows, build_store, check_sources
+from k3rl.rollout.chat import WORD_JOINER
 
 REPO = Path(__file__).parents[2]
 CONTROL = SPECIAL_TOKENS + TOOL_TOKENS
@@ -33,7 +33,7 @@ CONTROL = SPECIAL_TOKENS + TOOL_TOKENS
 
 @pytest.fixture(scope="module")
 def tok():
-    from model.tokenizer import train_tokenizer
+    from k3rl.model.tokenizer import train_tokenizer
 
     return train_tokenizer(itertools.islice(builtin_texts("wiki"), 300), vocab_size=512)
 
@@ -98,7 +98,8 @@ def bad_files(root: Path) -> list[tuple[str, dict, str]]:
         "surrogate.jsonl": b'{"text": "lone \\ud800 surrogate"}\n', "gzip.jsonl": b"\x1f\x8b\x08\x00\x00\x00\x00",
         "empty-texts.jsonl": b'{"text": ""}\n{"text": null}\n{"text": "  "}\n',
         "latin1.txt": "caf\xe9 au lait\n".encode("latin-1"), "empty.txt": b"",
-        "array.json": b'[{"text": "fine"}, {"text": 3}]\n', "array-broken.json": b'[\n{"text": "fine"},\n{"text": }]\n', "corrupt.parquet": b"PAR1" + bytes(range(200)) + b"PAR1",
+        "array.json": b'[{"text": "fine"}, {"text": 3}]\n', "array-broken.json": b'[\n{"text": "fine"},\n{"text": }]\n',
+        "corrupt.parquet": b"PAR1" + bytes(range(200)) + b"PAR1",
         "not-parquet.parquet": good,
     }
     root.mkdir(parents=True, exist_ok=True)
@@ -204,7 +205,7 @@ def test_a_cached_source_is_not_read_again(tmp_path, tok):
 @pytest.mark.parametrize("name", ["binary.jsonl", "no-column.jsonl", "deep.jsonl", "huge-int.jsonl",
                                   "corrupt.parquet", "empty.jsonl"])
 def test_k3rl_pretrain_exits_2_before_writing(tmp_path, capsys, monkeypatch, name):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     monkeypatch.setenv("K3RL_DATA", str(tmp_path / "k3rl-data"))
     bad_files(tmp_path / "data")

@@ -1,7 +1,7 @@
-"""rl/pretrain_plan.py: the plan of a staged pretraining run against what a real learner step holds.
+"""rl/pretrain/plan.py: the plan of a staged pretraining run against what a real learner step holds.
 
 The activation memory the plan predicts for one micro-batch is compared with `measure_step_memory` (the peak of the
-bytes autograd saves for backward during a real `Learner.train_step`, plus the states rl/segments.py keeps) on a
+bytes autograd saves for backward during a real `Learner.train_step`, plus the states rl/train/segments.py keeps) on a
 4-layer tiny K3 (3 KDA + 1 MLA, MoE, Block AttnRes in blocks of 2), in fp32 on the CPU. Measured when written
 (plan / measured): 382.8 / 382.5 MiB at 512 × 4 rows, 404.8 / 404.8 MiB at 2048 × 1 row, 106.4 / 105.8 MiB for 2048
 tokens in segments of 512 (the whole row unsegmented: 404.8 MiB); the same arithmetic was within 1 % on other shapes
@@ -28,8 +28,8 @@ _measured: dict = {}
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from model.init import init_model
-    from rl.config import load_model_config
+    from k3rl.model.init import init_model
+    from k3rl.rl.config import load_model_config
 
     out = tmp_path_factory.mktemp("plan") / "tiny"
     init_model(load_model_config(REPO / "configs/model/tiny.yaml", TINY), out, seed=0, tokenizer=False)
@@ -37,15 +37,15 @@ def tiny_dir(tmp_path_factory):
 
 
 def _learner(model_dir, seq_len: int, rows: int, segment: int | None, optimizer: str = "adamw"):
-    import model.modeling  # noqa: F401  (load_policy misses the K3 model class when K3Config was touched first)
-    from rl.learner import Learner, LearnerConfig
+    import k3rl.model.modeling  # noqa: F401  (load_policy misses the K3 model class when K3Config was touched first)
+    from k3rl.rl.train.learner import Learner, LearnerConfig
 
     return Learner(LearnerConfig(model_path=str(model_dir), algo="nll", lr=1e-3, micro_batch_tokens=seq_len * rows,
                                  segment_tokens=segment, optimizer=optimizer))
 
 
 def _rows(seq_len: int, rows: int, seed: int = 0):
-    from rl.supervised import as_trajectory
+    from k3rl.rl.train.supervised import as_trajectory
 
     rng = np.random.default_rng(seed)
     # seq_len + 1 tokens: the learner trains seq_len positions (inputs tokens[:-1])
@@ -53,7 +53,7 @@ def _rows(seq_len: int, rows: int, seed: int = 0):
 
 
 def _measure(model_dir, seq_len: int, rows: int, segment: int | None) -> dict:
-    from rl.pretrain_plan import measure_step_memory
+    from k3rl.rl.pretrain.plan import measure_step_memory
 
     key = (seq_len, rows, segment)
     if key not in _measured:
@@ -63,8 +63,8 @@ def _measure(model_dir, seq_len: int, rows: int, segment: int | None) -> dict:
 
 def _plan(config, seq_len: int, rows: int, segment: int | None, tokens: int | None = None, optimizer: str = "adamw",
           gpu: str = "cpu-2core", num_ranks: int = 1):
-    from rl.config import LearnerSettings, PlanConfig, StageConfig
-    from rl.pretrain_plan import plan
+    from k3rl.rl.config import LearnerSettings, PlanConfig, StageConfig
+    from k3rl.rl.pretrain.plan import plan
 
     stage = StageConfig(seq_len=seq_len, tokens=tokens or seq_len * rows, batch_tokens=seq_len * rows,
                         segment_tokens=segment)
@@ -75,7 +75,7 @@ def _plan(config, seq_len: int, rows: int, segment: int | None, tokens: int | No
 @pytest.mark.parametrize("seq_len,rows,segment", [(512, 4, None), (2048, 1, None), (2048, 1, 512)],
                          ids=["512x4", "2048x1", "2048-in-512-segments"])
 def test_activation_memory_matches_a_real_step(tiny_dir, seq_len, rows, segment):
-    from model.hf_layout import read_config
+    from k3rl.model.formats.layouts import read_config
 
     config = read_config(tiny_dir)
     measured = _measure(tiny_dir, seq_len, rows, segment)
@@ -92,7 +92,7 @@ def test_activation_memory_matches_a_real_step(tiny_dir, seq_len, rows, segment)
 
 
 def test_optimizer_memory_matches_the_learners_states(tiny_dir):
-    from model.hf_layout import read_config
+    from k3rl.model.formats.layouts import read_config
 
     config = read_config(tiny_dir)
     measured = _measure(tiny_dir, 512, 4, None)
@@ -105,7 +105,7 @@ def test_optimizer_memory_matches_the_learners_states(tiny_dir):
 
     # Muon: one momentum for the hidden matrices, AdamW for the rest
     learner = _learner(tiny_dir, 64, 1, None, optimizer="muon")
-    from rl.pretrain_plan import measure_step_memory
+    from k3rl.rl.pretrain.plan import measure_step_memory
 
     muon = measure_step_memory(learner, _rows(64, 1))
     predicted = _plan(config, 64, 1, None, optimizer="muon")
@@ -114,7 +114,7 @@ def test_optimizer_memory_matches_the_learners_states(tiny_dir):
 
 
 def test_steps_round_the_budget_up_to_whole_batches():
-    from rl.config import load_model_config
+    from k3rl.rl.config import load_model_config
 
     config = load_model_config(REPO / "configs/model/tiny.yaml")
     p = _plan(config, 128, 2, None, tokens=1000)  # batch 256 tokens
@@ -126,7 +126,7 @@ def test_steps_round_the_budget_up_to_whole_batches():
 
 
 def test_flops_per_token_grow_with_length_only_with_mla_layers():
-    from rl.config import load_model_config
+    from k3rl.rl.config import load_model_config
 
     hybrid = load_model_config(REPO / "configs/model/tiny.yaml")
     kda_only = load_model_config(REPO / "configs/model/tiny.yaml", ["linear_attn_config.kda_layers=[1,2,3,4,5,6,7,8]",
@@ -146,10 +146,10 @@ def test_flops_per_token_grow_with_length_only_with_mla_layers():
 
 
 def test_reference_plan_2p8t_on_the_meta_device():
-    import model.modeling  # noqa: F401  (imports are not what is timed)
-    from model.config import K3Config
-    from rl.config import load_config
-    from rl.pretrain_plan import GPUS, format_plan, parameter_summary, plan
+    import k3rl.model.modeling  # noqa: F401  (imports are not what is timed)
+    from k3rl.model.config import K3Config
+    from k3rl.rl.config import load_config
+    from k3rl.rl.pretrain.plan import GPUS, format_plan, parameter_summary, plan
 
     cfg = load_config(REPO / "configs/pretrain/staged.yaml")
     config = K3Config.from_model_config(cfg.model)
@@ -172,8 +172,8 @@ def test_reference_plan_2p8t_on_the_meta_device():
 
 
 def test_format_plan_names_every_stage_and_the_cluster():
-    from rl.config import load_config
-    from rl.pretrain_plan import plan_from_job
+    from k3rl.rl.config import load_config
+    from k3rl.rl.pretrain.plan import plan_from_job
 
     text, plans = plan_from_job(load_config(REPO / "configs/pretrain/cpu.yaml"))
     assert len(plans) == 4 and "cpu-2core" in text
@@ -184,8 +184,8 @@ def test_format_plan_names_every_stage_and_the_cluster():
 
 
 def test_plan_from_job_reads_the_model_dir_and_the_ranks(tiny_dir):
-    from rl.config import load_config
-    from rl.pretrain_plan import plan_from_job
+    from k3rl.rl.config import load_config
+    from k3rl.rl.pretrain.plan import plan_from_job
 
     cfg = load_config(REPO / "configs/pretrain/cpu.yaml", [f"pretrain.model_dir={tiny_dir}", "pretrain.num_learners=2",
                                                             "pretrain.plan.gpu=h100", "pretrain.plan.num_gpus=8"])

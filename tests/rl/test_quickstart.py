@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.quickstart import collapses, main, newcombe_interval, summary_lines
+from k3rl.rl.commands.quickstart import collapses, main, newcombe_interval, summary_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,9 +66,9 @@ def test_quickstart_needs_held_out_tasks(tmp_path, capsys):
 
 
 def test_make_tasks_names_the_keys_when_the_env_cannot():
-    from envs.base import Env
-    from rl.config import ConfigError
-    from rl.tasks import make_tasks, task_key
+    from k3rl.envs.base import Env
+    from k3rl.rl.config import ConfigError
+    from k3rl.rl.orchestrator.tasks import make_tasks, task_key
 
     class Few(Env):
         def tasks(self, n, seed=0):
@@ -93,7 +93,7 @@ def test_the_default_recipe_learns_beyond_its_confidence_interval(tmp_path):
     success beats the SFT policy's by more than the difference's 95% interval, and the gain is the
     habit RL was given to unlearn (hedged answers): F1 rises with it."""
     # a process of its own, as `make run` runs it: its own local Ray cluster (the session's has 2 CPUs)
-    done = subprocess.run([sys.executable, "-m", "rl.quickstart", f"run.output_dir={tmp_path}"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "k3rl.rl.commands.quickstart", f"run.output_dir={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=2600)
     print(done.stdout[-800:], done.stderr[-2000:])
     assert done.returncode == 0
@@ -103,7 +103,7 @@ def test_the_default_recipe_learns_beyond_its_confidence_interval(tmp_path):
 
 
 def _result(k1, k2, n=100, collapse=()):
-    from rl.metrics import wilson_interval
+    from k3rl.rl.metrics import wilson_interval
 
     low, high = newcombe_interval(k1, n, k2, n)
     part = lambda k, step: {"step": step, "successes": k, "tasks": n, "success": k / n,  # noqa: E731

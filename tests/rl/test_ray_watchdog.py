@@ -1,4 +1,4 @@
-"""rl/ray_watchdog.py without Ray: a fake session directory, a "driver" that starts the watchdog and dies, a member
+"""rl/orchestrator/ray_watchdog.py without Ray: a fake session directory, a "driver" that starts the watchdog and dies, a member
 writing a log there (stopped) and a reader of that log (left alone). With a real cluster:
 tests/smoke/test_ray_hygiene.py."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from rl.ray_watchdog import session_processes
+from k3rl.rl.orchestrator.ray_watchdog import session_processes
 
 REPO = Path(__file__).parents[2]
 
@@ -68,7 +68,7 @@ def test_the_watchdog_leaves_when_the_session_ends_first(tmp_path):
         fake = subprocess.Popen([str(named), "600"], stdout=out)
     time.sleep(0.5)
     other = hold(session / "logs" / "agent.out", "a")
-    watchdog = subprocess.Popen([sys.executable, str(REPO / "rl/ray_watchdog.py"), str(session),
+    watchdog = subprocess.Popen([sys.executable, str(REPO / "rl/orchestrator/ray_watchdog.py"), str(session),
                                  str(psutil.Process().pid)])
     try:
         time.sleep(1.5)  # it has found the raylet

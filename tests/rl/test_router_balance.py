@@ -1,4 +1,4 @@
-"""Tests of rl/router_balance.py: the quantile (QB) bias update against sorted order statistics and its
+"""Tests of rl/train/router_balance.py: the quantile (QB) bias update against sorted order statistics and its
 defining property, the sign and none methods, statistics only from training forwards, micro-batch
 accumulation equal to one batch, and 2-process gloo equal to one process."""
 
@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
-from model.config import ModelConfig, RouterBalanceConfig
-from model.moe import MoE, Router
-from rl.router_balance import balance_routers, quantile_bias_delta
+from k3rl.model.config import ModelConfig, RouterBalanceConfig
+from k3rl.model.moe import MoE, Router
+from k3rl.rl.train.router_balance import balance_routers, quantile_bias_delta
 
 
 def make_config(balance=None, **kw) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""Segment-recurrent training and group prefix sharing (rl/segments.py) against whole-sequence training, in float64:
+"""Segment-recurrent training and group prefix sharing (rl/train/segments.py) against whole-sequence training, in float64:
 the loss and every parameter gradient of a step are the same whether a sequence runs whole, in segments (lengths not
 multiples of the segment, loss masks that skip whole segments), or as a shared prompt branched to its group."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from rl.batching import group_prefixes, shared_prefix, to_train_sequence
-from rl.learner import Learner, LearnerConfig, compute_advantages
-from rollout.trajectory import TrajectoryBuilder
+from k3rl.rl.train.batching import group_prefixes, shared_prefix, to_train_sequence
+from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
+from k3rl.rollout.trajectory import TrajectoryBuilder
 from tests.model.k3_factory import make_config, make_model
 
 V = 97
@@ -165,7 +165,7 @@ def test_segment_tokens_validated(k3_nope):
 
 def test_segmented_with_blocked_attention(k3_nope, monkeypatch):
     """Segments over a long past take MLA's blocked path, each query block recomputed in backward (model/mla.py)."""
-    from model import mla
+    from k3rl.model import mla
 
     calls = []
     monkeypatch.setattr(mla, "SCORE_BUDGET", 2000)  # 1–8 queries per block

@@ -1,4 +1,4 @@
-"""SFT warm start (rl/sft.py, trained by the learner's `nll` objective through rl/supervised.py):
+"""SFT warm start (rl/commands/sft.py, trained by the learner's `nll` objective through rl/train/supervised.py):
 demonstrations are the agent loop's own tokens, the loss rows are exactly the model's turns, the loss
 is the masked cross-entropy, micro-batching equals one batch, epochs are seeded shuffles,
 a short `k3rl sft` run lowers the loss and saves a loadable model, SFT teaches the tool protocol to
@@ -19,16 +19,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from envs.registry import register
-from envs.search import SearchEnv
-from rl.config import ConfigError
-from rl.evaluate import evaluate_greedy
-from rl.demonstrations import collect_demonstrations, demonstrations
-from rl.batching import collate, to_train_sequence
-from rl.learner import Learner, LearnerConfig
-from rl.sft import SFTConfig, main
-from rl.supervised import as_trajectory, step_batches, train_supervised
-from rollout.chat import render_transcript as render_demonstration
+from k3rl.envs.registry import register
+from k3rl.envs.search import SearchEnv
+from k3rl.rl.commands.sft import SFTConfig, main
+from k3rl.rl.config import ConfigError
+from k3rl.rl.eval.evaluate import evaluate_greedy
+from k3rl.rl.orchestrator.demonstrations import collect_demonstrations, demonstrations
+from k3rl.rl.train.batching import collate, to_train_sequence
+from k3rl.rl.train.learner import Learner, LearnerConfig
+from k3rl.rl.train.supervised import as_trajectory, step_batches, train_supervised
+from k3rl.rollout.chat import render_transcript as render_demonstration
 
 REPO = Path(__file__).parents[2]
 ADJECTIVES = ["old", "small", "famous", "northern", "hidden", "painted", "silver", "quiet"]
@@ -115,7 +115,7 @@ class ReplayEngine:
         self.demos = demos
 
     def generate(self, prompts, params):
-        from rollout.engine import Completion
+        from k3rl.rollout.engine import Completion
 
         out = []
         for p in prompts:
@@ -138,12 +138,13 @@ class ReplayEngine:
 
 @pytest.mark.parametrize("which", ["k3", "qwen3"])
 def test_demonstrations_are_the_agent_loops_own_tokens(which, k3_tokenizer, tiny_qwen3_dir):
-    import envs
-    from envs.base import run_episode
-    from rollout.agent_loop import AgentLoop, EpisodeRequest
-    from rollout.chat import ChatRenderer
-    from rollout.engine import SamplingParams
     from transformers import AutoTokenizer
+
+    import k3rl.envs as envs
+    from k3rl.envs.base import run_episode
+    from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+    from k3rl.rollout.chat import ChatRenderer
+    from k3rl.rollout.engine import SamplingParams
 
     tokenizer = k3_tokenizer if which == "k3" else AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     tasks = toy_tasks(3, seed=5)
@@ -183,8 +184,8 @@ def test_demonstrations_are_the_agent_loops_own_tokens(which, k3_tokenizer, tiny
 
 
 def test_render_keeps_rollout_turn_ends(k3_tokenizer):
-    from envs.tools import format_call
-    from rollout.chat import ChatRenderer
+    from k3rl.envs.tools import format_call
+    from k3rl.rollout.chat import ChatRenderer
 
     renderer = ChatRenderer(k3_tokenizer)
     opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
@@ -288,7 +289,7 @@ def test_step_batches_cover_each_epoch_once_in_a_seeded_order():
 def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
     from transformers import AutoTokenizer
 
-    from model.hf_layout import load_model
+    from k3rl.model.formats.layouts import load_model
 
     for name in ("config.yaml", "demos.json", "metrics.jsonl", "loss.png", "eval.json",
                  "model/config.json", "model/model.safetensors.index.json", "model/tokenizer.json", "init/config.json"):
@@ -301,7 +302,7 @@ def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
     evaluation = json.loads((k3_run / "eval.json").read_text())
     assert evaluation["tasks"] == 2 and 0.0 <= evaluation["success"] <= 1.0
 
-    # The saved directory is the trained model: it loads (model/hf_layout.py, the released layout) and scores
+    # The saved directory is the trained model: it loads (model/formats/layouts.py, the released layout) and scores
     # the demonstrations better than the initial model does.
     tokenizer = AutoTokenizer.from_pretrained(k3_run / "model")
     row = demonstrations("sft-toy-search", 1, 0, tokenizer)[0]
@@ -340,9 +341,9 @@ def test_imperfect_teachers_mix_by_rate_and_are_scored_by_the_environment(k3_tok
     answers at once with another task's answer, or that hedges the oracle's answer; the environment
     scores them (a hedged answer is not an exact match); the draw is deterministic in the seed and
     the other tasks keep the oracle's demonstrations unchanged."""
-    import envs
-    from envs.base import run_episode
-    from envs.tools import ToolCall, parse
+    import k3rl.envs as envs
+    from k3rl.envs.base import run_episode
+    from k3rl.envs.tools import ToolCall, parse
 
     tasks = toy_tasks(40, seed=3)
     kw = dict(tasks=tasks, min_reward=0.0)
@@ -368,7 +369,7 @@ def test_imperfect_teachers_mix_by_rate_and_are_scored_by_the_environment(k3_tok
             assert text.count("search") == base_text_count(k3_tokenizer, base, "search")
             assert f'{task["answers"][0]}, I think' in text and row["reward"] < base["reward"]
     # the hedging teacher scored by the environment itself: F1 only, no exact match
-    from envs.teachers import HedgingPolicy
+    from k3rl.envs.teachers import HedgingPolicy
 
     result = run_episode(env, tasks[0], HedgingPolicy(env.oracle(tasks[0]), env))
     last = parse([m for m in result.messages if m["role"] == "assistant"][-1]["content"])

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from envs.search import SearchEnv
-from rl.config import ConfigError
-from rl.tasks import read_tasks
-from tests.jsonl_fuzz import problem, run_fuzz, variants
+from k3rl.envs.search import SearchEnv
+from k3rl.rl.config import ConfigError
+from k3rl.rl.orchestrator.tasks import read_tasks
+from tests.jsonl_fuzz import run_fuzz, variants
 
 REPO = Path(__file__).parents[2]
 
@@ -69,7 +69,7 @@ def test_file_level_problems_are_refused_even_when_skipping(env, tmp_path):
 
 @pytest.mark.parametrize("name", ["utf-16", "escape-lone-high", "int-10000-in-id", "nest-row-100000"])
 def test_bad_task_files_exit_2_through_k3rl_train(tiny_qwen3_dir, tmp_path, capsys, name):
-    from rl.cli import main
+    from k3rl.rl.commands.cli import main
 
     path = tmp_path / f"{name}.jsonl"
     path.write_bytes(dict(variants(ROW, seed=28))[name])

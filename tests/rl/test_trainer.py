@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rl.buffer import TrajectoryBuffer
-from rl.metrics import MetricsLogger, plot, read_metrics, wilson_interval
-from rollout.trajectory import Trajectory
+from k3rl.rl.metrics import MetricsLogger, plot, read_metrics, wilson_interval
+from k3rl.rl.orchestrator.buffer import TrajectoryBuffer
+from k3rl.rollout.trajectory import Trajectory
 
 REPO = Path(__file__).parents[2]
 PASSAGES = [{"id": f"p{i}", "title": f"Doc {i}", "text": f"Passage {i} says the code word is w{i * 7}."}
@@ -54,7 +54,7 @@ def task_files(tmp_path_factory):
 def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
     """Tiny run settings: 2 tasks × group 2 per step, 16 new tokens, half a CPU per actor. Keyword names are
     the flat names of earlier recipes (`max_new_tokens`, `num_rollout_workers`, …), each put in its section."""
-    from rl.config import MOVED_KEYS
+    from k3rl.rl.config import MOVED_KEYS
 
     train, held_out = task_files
     settings = dict(steps=2, tasks_per_step=2, group_size=2, max_new_tokens=16, max_turns=2, eval_every=2,
@@ -67,8 +67,8 @@ def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
 
 
 def job(*args, **rl):
-    from rl.config import load_config
-    from rl.trainer import TrainJobConfig
+    from k3rl.rl.config import load_config
+    from k3rl.rl.orchestrator.trainer import TrainJobConfig
 
     return load_config(None, overrides(*args, **rl), schema=TrainJobConfig)
 
@@ -168,8 +168,8 @@ def test_plot_writes_curves_with_eval_band(tmp_path):
 def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rl import checkpoint as ckpt
-    from rl.trainer import Trainer
+    from k3rl.rl import checkpoint as ckpt
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     ray = ray_cluster
     seen = []
@@ -209,7 +209,7 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
     assert state["step"] == 2 and state["version"] == 2 and state["cursor"] == 4
     assert (run_dir / "checkpoints" / "step-000002" / "model.safetensors").is_file()
     # a second fresh run into the same directory is refused rather than mixed with this one
-    from rl.config import ConfigError
+    from k3rl.rl.config import ConfigError
 
     with pytest.raises(ConfigError, match="rl.resume=true"):
         Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "sync"))
@@ -232,8 +232,8 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
 def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
     """Settings only an environment, algorithm or engine understands are checked in the driver, before Ray
     starts or anything is written (they used to fail seconds later inside a Ray actor)."""
-    from rl.config import ConfigError, load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     with pytest.raises(ConfigError) as e:
         Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "late") + [override],
@@ -243,8 +243,8 @@ def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files
 
 
 def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, tmp_path):
-    from rl.config import ConfigError, load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     train, _ = task_files
     shaped = tmp_path / "shaped.jsonl"
@@ -262,9 +262,9 @@ def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, t
 
 def test_bad_task_rows_refused_or_skipped_and_counted(task_files, tmp_path):
     """`env.bad_task_rows`: `refuse` names the first bad row; `skip` leaves bad rows out and describes each."""
-    from envs.search import SearchEnv
-    from rl.config import ConfigError
-    from rl.tasks import read_tasks
+    from k3rl.envs.search import SearchEnv
+    from k3rl.rl.config import ConfigError
+    from k3rl.rl.orchestrator.tasks import read_tasks
 
     train, _ = task_files
     good = train.read_text().splitlines()[:2]
@@ -285,8 +285,8 @@ def test_bad_task_rows_refused_or_skipped_and_counted(task_files, tmp_path):
 def test_resume_without_a_loadable_checkpoint_is_a_named_error_and_changes_nothing(tiny_qwen3_dir, task_files,
                                                                                   tmp_path):
     """No Ray needed: the resume point is decided before anything starts or is written."""
-    from rl.config import ConfigError
-    from rl.trainer import Trainer
+    from k3rl.rl.config import ConfigError
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     run_dir = tmp_path / "runs" / "gone"
     (run_dir / "checkpoints" / "step-000004").mkdir(parents=True)  # a save that never finished
@@ -304,7 +304,7 @@ def test_resume_without_a_loadable_checkpoint_is_a_named_error_and_changes_nothi
 @pytest.mark.ray
 def test_resume_skips_a_corrupt_checkpoint_for_the_newest_that_verifies(ray_cluster, tiny_qwen3_dir, task_files,
                                                                        tmp_path, capsys):
-    from rl.trainer import Trainer
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     Trainer(job(tmp_path, tiny_qwen3_dir, task_files, "flip", eval_every=0)).train()
     run_dir = tmp_path / "runs" / "flip"
@@ -327,8 +327,8 @@ def test_learner_settings_from_the_recipe_reach_the_learner(ray_cluster, tiny_qw
     import yaml
     from safetensors import safe_open
 
-    from rl.config import ConfigError, load_config
-    from rl.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
 
     items = overrides(tmp_path, tiny_qwen3_dir, task_files, "muon", steps=1, eval_every=0, save_every=1) + [
         "learner.optimizer=muon", "learner.dtype=bfloat16", "learner.micro_batch_tokens=512",
@@ -352,7 +352,7 @@ def test_learner_settings_from_the_recipe_reach_the_learner(ray_cluster, tiny_qw
 
 @pytest.mark.ray
 def test_async_never_trains_beyond_staleness_bound(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
-    from rl.trainer import Trainer
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     trained = []
     late = []
@@ -385,7 +385,7 @@ def test_async_never_trains_beyond_staleness_bound(ray_cluster, tiny_qwen3_dir, 
 
 @pytest.mark.ray
 def test_killed_rollout_actor_is_replaced_and_its_tasks_collected(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
-    from rl.trainer import Trainer
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     ray = ray_cluster
     killed = []
@@ -436,7 +436,7 @@ def child_env() -> dict:
 
 @pytest.mark.ray
 def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
-    from rl import checkpoint as ckpt
+    from k3rl.rl import checkpoint as ckpt
 
     address = ray_cluster.get_runtime_context().gcs_address
     items = overrides(tmp_path, tiny_qwen3_dir, task_files, "killed", mode="async", max_staleness=1, steps=6,
@@ -454,7 +454,7 @@ def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3
     assert max(r["step"] for r in logged) > k, "no step after the checkpoint was logged before the kill"
     before = {r["step"]: r for r in logged if r["step"] <= k}
 
-    resumed = subprocess.run([sys.executable, "-m", "rl.trainer", str(config), "rl.resume=true"], cwd=REPO,
+    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config), "rl.resume=true"], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {latest}" in resumed.stdout
@@ -514,7 +514,7 @@ def test_two_node_cluster_places_workers_on_both_nodes(tiny_qwen3_dir, task_file
 def test_short_run_with_vllm_engine(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
     """The same loop with vLLM as the rollout engine: weights pushed after each step reach vLLM, and
     the learner's first-step logprobs agree with vLLM's behaviour logprobs (mismatch KL ≈ 0)."""
-    from rl.trainer import Trainer
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     ray = ray_cluster
     seen = []
@@ -535,11 +535,11 @@ def test_short_run_with_vllm_engine(ray_cluster, tiny_qwen3_dir, task_files, tmp
 def kill_after_a_checkpoint(config: Path, run_dir: Path, log_path: Path) -> tuple[Path, dict]:
     """Start `python -m rl.trainer config`, kill -9 it once a checkpoint exists and a later step is already
     logged (so resume must cut metrics.jsonl back); the newest checkpoint and its trainer state."""
-    from rl import checkpoint as ckpt
+    from k3rl.rl import checkpoint as ckpt
 
     root = run_dir / "checkpoints"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rl.trainer", str(config)], cwd=REPO, env=child_env(),
+        proc = subprocess.Popen([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config)], cwd=REPO, env=child_env(),
                                 stdout=log, stderr=subprocess.STDOUT)
 
         def past_checkpoint() -> bool:

@@ -1,19 +1,18 @@
-"""Held-out transcripts (rl/transcripts.py): written and read back, paired before/after with the
+"""Held-out transcripts (rl/eval/transcripts.py): written and read back, paired before/after with the
 changed outcomes first, and what the episodes did counted from the model's own tool calls."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from rl.transcripts import (behaviour, eval_path, markdown, read_eval_episodes, side_by_side, tool_calls,
-                            write_eval_episodes)
-from rollout.trajectory import Trajectory
+from k3rl.rl.eval.transcripts import behaviour, eval_path, markdown, read_eval_episodes, side_by_side, tool_calls, write_eval_episodes
+from k3rl.rollout.trajectory import Trajectory
 
 SEARCH = '<tool_call>\n{"name": "search", "arguments": {"query": "sailor rug"}}\n</tool_call>'
 
 
 def answer(text: str) -> str:
-    return '<tool_call>\n{"name": "answer", "arguments": {"text": "%s"}}\n</tool_call>' % text
+    return '<tool_call>\n{"name": "answer", "arguments": {"text": "' + text + '"}}\n</tool_call>'
 
 
 def record(task_id: str, text: str, em: float, f1: float) -> dict:

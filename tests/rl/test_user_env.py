@@ -91,15 +91,15 @@ def test_unknown_environment_is_named_before_anything_is_written(user_dir, tiny_
 
 
 def test_resolve_module_class_and_entry_point(user_dir, monkeypatch):
-    from envs import Env
-    from envs.registry import list_envs, make, resolve, user_module_path
+    from k3rl.envs import Env
+    from k3rl.envs.registry import list_envs, make, resolve, user_module_path
 
     monkeypatch.chdir(user_dir)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(user_dir))])
     entry = resolve("guess_env:Guess")
     assert issubclass(entry.target, Env) and entry.summary == "Find a secret number in 1..100 by probing."
     assert user_module_path("guess_env:Guess") == (user_dir / "guess_env.py").resolve()
-    assert user_module_path("needle") is None and user_module_path("envs.search:SearchEnv") is None
+    assert user_module_path("needle") is None and user_module_path("k3rl.envs.search:SearchEnv") is None
     # an installed distribution declaring the entry point (a .dist-info on sys.path)
     site = user_dir / "site"
     info = site / "my_envs-0.1.dist-info"

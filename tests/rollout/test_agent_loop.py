@@ -6,9 +6,9 @@ down the loop's bookkeeping exactly; tests with real engines live beside the eng
 
 import pytest
 
-from envs import Env, format_call, tool
-from rollout.agent_loop import AgentLoop, EpisodeRequest
-from rollout.engine import Completion, SamplingParams
+from k3rl.envs import Env, format_call, tool
+from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+from k3rl.rollout.engine import Completion, SamplingParams
 
 
 class Calc(Env):
@@ -141,7 +141,7 @@ def test_context_budget_truncates(tokenizer):
 
 
 def test_group_first_turn_is_one_prompt_with_n_samples(tiny_qwen3_dir, tokenizer):
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rollout.torch_engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(tiny_qwen3_dir, seed=0)
     calls = []

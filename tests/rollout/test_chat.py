@@ -2,8 +2,8 @@
 
 import pytest
 
-from envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
-from rollout.chat import ChatRenderer
+from k3rl.envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
+from k3rl.rollout.chat import ChatRenderer
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ logprobs equal a transformers forward pass over the trajectory's own tokens.
 import pytest
 import torch
 
-import envs
-from envs.base import run_episode
-from rollout.agent_loop import AgentLoop, EpisodeRequest
-from rollout.chat import ChatRenderer
-from rollout.engine import SamplingParams
-from rollout.torch_engine import TorchEngine
+import k3rl.envs as envs
+from k3rl.envs.base import run_episode
+from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+from k3rl.rollout.chat import ChatRenderer
+from k3rl.rollout.engine import SamplingParams
+from k3rl.rollout.torch_engine import TorchEngine
 
 PASSAGES = [{"id": f"p{i}", "title": f"Doc {i}", "text": f"Passage {i} says the code word is w{i * 7}."}
             for i in range(4)]

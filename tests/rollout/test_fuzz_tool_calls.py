@@ -22,12 +22,12 @@ from collections import Counter
 
 import pytest
 
-import envs
-from envs.base import Episode
-from envs.registry import BUILTIN_MODULES, list_envs
-from envs.search import SearchEnv
-from envs.tools import format_call
-from rollout.chat import ChatRenderer
+import k3rl.envs as envs
+from k3rl.envs.base import Episode
+from k3rl.envs.registry import BUILTIN_MODULES, list_envs
+from k3rl.envs.search import SearchEnv
+from k3rl.envs.tools import format_call
+from k3rl.rollout.chat import ChatRenderer
 
 BUDGET_S = 20.0
 ENV_ARGS = {"search": {"corpus": None}}
@@ -36,8 +36,8 @@ LONGCTX_ARGS = {"serve": "search", "length": 2000}  # aggregate tasks need up to
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from model.init import train_builtin_tokenizer
-    from rl.config import load_model_config
+    from k3rl.model.init import train_builtin_tokenizer
+    from k3rl.rl.config import load_model_config
 
     return train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"))
 

@@ -14,11 +14,11 @@ from collections import Counter
 
 import pytest
 
-from envs.search import SearchEnv
-from envs.tools import format_call
-from rollout.agent_loop import AgentLoop, EpisodeRequest
-from rollout.chat import WORD_JOINER, ChatRenderer
-from rollout.engine import Completion, SamplingParams
+from k3rl.envs.search import SearchEnv
+from k3rl.envs.tools import format_call
+from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+from k3rl.rollout.chat import WORD_JOINER, ChatRenderer
+from k3rl.rollout.engine import Completion, SamplingParams
 
 
 @pytest.fixture(scope="module", params=["qwen3", "k3"])
@@ -27,8 +27,8 @@ def tokenizer(request, tiny_qwen3_dir):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
-    from model.init import train_builtin_tokenizer
-    from rl.config import load_model_config
+    from k3rl.model.init import train_builtin_tokenizer
+    from k3rl.rl.config import load_model_config
 
     return train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"))
 

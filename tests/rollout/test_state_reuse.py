@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-import envs.tools as T
-from envs import Env, tool
-from envs.base import Budget
-from model.policy import Policy
-from rollout.agent_loop import AgentLoop, EpisodeRequest
-from rollout.engine import SamplingParams, SessionEngine
-from rollout.torch_engine import TorchEngine
+import k3rl.envs.tools as T
+from k3rl.envs import Env, tool
+from k3rl.envs.base import Budget
+from k3rl.model.policy import Policy
+from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+from k3rl.rollout.engine import SamplingParams, SessionEngine
+from k3rl.rollout.torch_engine import TorchEngine
 from tests.model.k3_factory import make_config, make_model
 
 
@@ -261,7 +261,7 @@ def test_resume_stale_continues_a_session_older_weights_computed():
 
 def test_hf_model_and_reuse_off_prefill_in_full(tiny_qwen3_dir):
     """HF causal LMs keep no sessions (their KV caches are not stacked): every prompt is prefilled in full."""
-    from rollout.worker import engine_settings
+    from k3rl.rollout.worker import engine_settings
 
     assert "reuse_state" in engine_settings("torch")
     engine = TorchEngine.from_pretrained(tiny_qwen3_dir, seed=0)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rollout.engine import Engine, SamplingParams
-from rollout.torch_engine import TorchEngine, sample_tokens
+from k3rl.rollout.engine import Engine, SamplingParams
+from k3rl.rollout.torch_engine import TorchEngine, sample_tokens
 
 
 def full_forward_logprobs(model, prompt, ids):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from rollout.trajectory import Trajectory, TrajectoryBuilder, load_trajectories, save_trajectories
+from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder, load_trajectories, save_trajectories
 
 
 def build(routed=False):
@@ -114,8 +114,8 @@ def test_million_tokens_parquet_round_trip_without_per_token_objects(tmp_path, w
 
 
 def test_million_tokens_buffer_checkpoint_round_trip(tmp_path, warm):
-    from rl import checkpoint as ckpt
-    from rl.buffer import TrajectoryBuffer
+    from k3rl.rl import checkpoint as ckpt
+    from k3rl.rl.orchestrator.buffer import TrajectoryBuffer
 
     buffer = TrajectoryBuffer()
     small = build(routed=True)
@@ -170,7 +170,7 @@ def test_files_of_datasets_load_and_datasets_reads_ours(tmp_path):
 def test_row_groups_split_many_trajectories(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
-    from rollout import trajectory
+    from k3rl.rollout import trajectory
 
     monkeypatch.setattr(trajectory, "_ROW_GROUP_VALUES", 60)
     trajs = [build(routed=i % 2 == 0) for i in range(7)]

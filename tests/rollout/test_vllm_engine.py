@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rollout.engine import Engine, SamplingParams
+from k3rl.rollout.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.vllm
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.engine import SamplingParams
+from k3rl.rollout.engine import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -38,7 +38,7 @@ def small_k3():
     sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
     from k3_factory import make_config, make_model
 
-    from model.tokenizer import MEDIA_PLACEHOLDER_ID
+    from k3rl.model.tokenizer import MEDIA_PLACEHOLDER_ID
 
     config = make_config(
         num_hidden_layers=4, kda_layers=(1, 3), vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048,
@@ -51,10 +51,10 @@ def small_k3():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from envs.sources import builtin_texts
-    from model.hf_layout import save_model
-    from model.tokenizer import train_tokenizer
-    from rollout.vllm_engine import VLLMEngine
+    from k3rl.envs.sources import builtin_texts
+    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.tokenizer import train_tokenizer
+    from k3rl.rollout.vllm_engine import VLLMEngine
 
     native = small_k3()
     tokenizer = train_tokenizer(itertools.islice(builtin_texts("wiki"), 300), vocab_size=VOCAB)
@@ -72,7 +72,7 @@ def reference_engine(native, tokenizer):
     """The native engine on the CPU in float64 over the bf16 weights vLLM holds."""
     import copy
 
-    from rollout.torch_engine import TorchEngine
+    from k3rl.rollout.torch_engine import TorchEngine
 
     return TorchEngine(copy.deepcopy(native).double(), tokenizer, device="cpu", seed=0)
 

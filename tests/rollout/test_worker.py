@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from rollout.engine import SamplingParams
-from rollout.trajectory import load_trajectories, save_trajectories
-from rollout.worker import RolloutWorker, WorkerSpec, build_engine
+from k3rl.rollout.engine import SamplingParams
+from k3rl.rollout.trajectory import load_trajectories, save_trajectories
+from k3rl.rollout.worker import RolloutWorker, WorkerSpec, build_engine
 
 pytestmark = pytest.mark.ray
 
@@ -20,7 +20,7 @@ def tasks(n, offset=0):
 
 def test_two_workers_collect_in_parallel(ray_cluster, tiny_qwen3_dir, tmp_path):
     ray = ray_cluster
-    from rollout.worker import start_workers
+    from k3rl.rollout.worker import start_workers
 
     spec = WorkerSpec(model_dir=str(tiny_qwen3_dir), env="search", engine="torch",
                       sampling=SamplingParams(max_tokens=24, seed=0), max_context_tokens=2048)

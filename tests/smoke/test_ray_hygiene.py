@@ -1,7 +1,7 @@
 """Process hygiene: a driver killed with SIGKILL (no `ray.shutdown`, no atexit) leaves no process of the local
 Ray cluster it started behind. GCS, raylet, workers and actors go with it (Ray's fate-sharing); Ray's agents
 (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) outlive their raylet, and the run's watchdog
-(rl/ray_watchdog.py) stops them: an async `rl.trainer` run killed mid-step leaves nothing of its Ray session
+(rl/orchestrator/ray_watchdog.py) stops them: an async `rl.trainer` run killed mid-step leaves nothing of its Ray session
 alive 15 s later. With the watchdog killed too, the next local start (`rl.cluster.init_ray`) reaps them.
 
 "Of the run" is checked two ways: the driver's process tree taken before the kill, and every process holding
@@ -81,7 +81,7 @@ def test_a_killed_async_driver_leaves_no_ray_process_of_its_run(tiny_qwen3_dir, 
                       save_every=0, eval_every=0)
     config = write_config(tmp_path / "job.yaml", items)
     with open(tmp_path / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "rl.trainer", str(config)], cwd=REPO, env=child_env(),
+        driver = subprocess.Popen([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config)], cwd=REPO, env=child_env(),
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     session_dir = None
     try:
@@ -131,7 +131,7 @@ def test_with_the_watchdog_killed_too_the_next_local_start_reaps_the_agents(tmp_
         # without the watchdog the agents outlive their raylet; the next local start reaps them
         left = wait_gone(tree, session_dir, 15, but={p.pid for p in agents})
         assert left and all(name.startswith(AGENTS) for name in left), left
-        from rl.cluster import orphaned_agents, reap_orphaned_agents
+        from k3rl.rl.orchestrator.cluster import orphaned_agents, reap_orphaned_agents
 
         alive = {p.pid for p in agents if _alive(p)}
         assert alive <= {p.pid for p in orphaned_agents()}

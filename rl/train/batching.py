@@ -1,0 +1,256 @@
+"""Training sequences and micro-batches: how the learner turns trajectories into padded model inputs.
+
+A trajectory of N tokens becomes one sequence of n = N − 1 positions: inputs `tokens[:-1]`,
+targets `tokens[1:]`, trained where `loss_mask[1:]` is 1 (the hidden state at position t scores
+token t + 1). `pack_micro_batches` groups whole sequences, longest first, so that the padded size
+B·T of each micro-batch stays within a token budget (a sequence longer than a segment is then trained
+segment by segment, rl/train/segments.py); `group_prefixes` finds the samples of a group that share their
+prompt, so that the prompt is computed once for them; `collate`
+right-pads them and packs the loss-mask tokens flat in row-major order, which is the `[T]`
+layout `rl.algos.base.LossInputs` wants. Right padding needs no attention mask for causal
+models (a real token never attends to a later position); the mask is still passed to HF models.
+
+Shapes: B sequences of a micro-batch, T its padded length, N its loss-mask tokens, L MoE layers,
+k experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainSequence:
+    """One trajectory as the learner trains on it (numpy, unpadded, length n = len(tokens) − 1)."""
+
+    inputs: np.ndarray
+    """[n] int, tokens[:-1]."""
+    targets: np.ndarray
+    """[n] int, tokens[1:]."""
+    mask: np.ndarray
+    """[n] bool, loss_mask[1:]."""
+    behaviour: np.ndarray
+    """[n] float32, behaviour logprob of each target."""
+    advantage: float
+    routed: Optional[np.ndarray]
+    """[n, L, k] int16 routing of each input token (-1: not recorded), or None."""
+    group: str = ""
+    """The trajectory's `group_id` (samples of one task: candidates for a shared prefix)."""
+    positions: Optional[np.ndarray] = None
+    """[n] int positions of the inputs when several documents are packed in the sequence (restarting at 0 at each
+    document's first token), or None: one document."""
+
+    def tail(self, start: int) -> TrainSequence:
+        """The positions from `start` on (what is left after a shared prefix)."""
+        return self.piece(start, len(self.inputs))
+
+    def piece(self, start: int, end: int) -> TrainSequence:
+        """Positions [start, end) as a sequence of their own."""
+        cut = slice(start, end)
+        return TrainSequence(self.inputs[cut], self.targets[cut], self.mask[cut], self.behaviour[cut], self.advantage,
+                             None if self.routed is None else self.routed[cut], self.group,
+                             None if self.positions is None else self.positions[cut])
+
+    def document_starts(self) -> np.ndarray:
+        """Where each packed document starts ([0] for one document)."""
+        if self.positions is None or len(self.positions) == 0:
+            return np.zeros(1, dtype=np.int64)
+        restart = np.flatnonzero(self.positions[1:] != self.positions[:-1] + 1) + 1
+        return np.concatenate([[0], restart]).astype(np.int64)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences and their loss-mask tokens packed flat, as the loss wants them."""
+
+    input_ids: torch.Tensor
+    """[B, T] int64 (padding: 0)."""
+    valid: torch.Tensor
+    """[B, T] bool, real tokens."""
+    loss_mask: torch.Tensor
+    """[B, T] bool, positions whose next token is trained on."""
+    targets: torch.Tensor
+    """[N] int64, the trained tokens in row-major order of `loss_mask`."""
+    behaviour: torch.Tensor
+    """[N] float32, their behaviour logprobs."""
+    advantages: torch.Tensor
+    """[N] float32, their sequence's advantage."""
+    seq_ids: torch.Tensor
+    """[N] int64 in [0, B)."""
+    routed: Optional[torch.Tensor]
+    """[B, T, L, k] int64 routing to replay (-1: route yourself), or None."""
+    position_ids: Optional[torch.Tensor] = None
+    """[B, T] int64 positions of packed documents (padding continues the count), or None: one document per row."""
+
+    @property
+    def num_seqs(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def to_train_sequence(trajectory: Any, advantage: float) -> Optional[TrainSequence]:
+    """A trajectory as a training sequence; None when it has no trainable token."""
+    if len(trajectory.tokens) < 2 or not trajectory.loss_mask[1:].any():
+        return None
+    routed = trajectory.routed_experts
+    positions = getattr(trajectory, "position_ids", None)
+    if positions is not None:
+        positions = np.asarray(positions[:-1], dtype=np.int64)
+        if len(positions) and positions[0] != 0:
+            raise ValueError(f"Trajectory.position_ids must start at 0, got {positions[0]}")
+        if not np.all((positions[1:] == positions[:-1] + 1) | (positions[1:] == 0)):
+            raise ValueError("Trajectory.position_ids must count up by 1 and restart at 0 at each packed document")
+        if (positions[1:] == positions[:-1] + 1).all():
+            positions = None  # one document
+    return TrainSequence(inputs=np.asarray(trajectory.tokens[:-1]), targets=np.asarray(trajectory.tokens[1:]),
+                         mask=np.asarray(trajectory.loss_mask[1:], dtype=bool),
+                         behaviour=np.asarray(trajectory.logprobs[1:], dtype=np.float32),
+                         advantage=float(advantage), routed=None if routed is None else np.asarray(routed[:-1]),
+                         group=str(trajectory.group_id or ""), positions=positions)
+
+
+def split_documents(seq: TrainSequence, max_len: int) -> list[TrainSequence]:
+    """A packed sequence cut for segment-recurrent training (rl/train/segments.py, which runs one document per row):
+    every document longer than `max_len` alone (positions None), the shorter ones packed again, in order, into
+    sequences of at most `max_len` positions. Training on the pieces equals training on the packed sequence (each
+    document is computed as if alone either way, and a document's last input, which would predict the next
+    document's first token, is never trained). Pieces without a loss row are dropped."""
+    starts = seq.document_starts().tolist() + [len(seq.inputs)]
+    pieces: list[TrainSequence] = []
+    run: list[tuple[int, int]] = []  # consecutive short documents packed together
+
+    def flush():
+        if run:
+            piece = seq.piece(run[0][0], run[-1][1])
+            if len(run) == 1:
+                piece.positions = None
+            pieces.append(piece)
+            run.clear()
+
+    for a, b in zip(starts[:-1], starts[1:]):
+        if not seq.mask[a:b].any():
+            continue
+        if b - a > max_len:
+            flush()
+            piece = seq.piece(a, b)
+            piece.positions = None
+            pieces.append(piece)
+        else:
+            if run and (b - run[0][0] > max_len or run[-1][1] != a):
+                flush()
+            run.append((a, b))
+    flush()
+    return pieces
+
+
+def pack_micro_batches(lengths: Sequence[int], token_budget: int, max_seqs: Optional[int] = None) -> list[list[int]]:
+    """Group sequence indices into micro-batches with padded size (count × longest) ≤ token_budget
+    and at most `max_seqs` sequences each (None: no limit).
+
+    Longest first, so each micro-batch holds sequences of similar length; a sequence longer than
+    the budget is alone. Deterministic.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget and (
+                max_seqs is None or len(batches[-1]) < max_seqs):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def shared_prefix(seqs: Sequence[TrainSequence]) -> int:
+    """Positions every sequence shares before any of them has a loss row: same inputs, same recorded routing
+    (a group's prompt). At least one position is left to each sequence."""
+    first = seqs[0]
+    n = min(len(s.inputs) for s in seqs) - 1
+    for s in seqs:
+        loss_rows = np.flatnonzero(s.mask)
+        n = min(n, int(loss_rows[0]) if len(loss_rows) else n)
+        differ = np.flatnonzero(s.inputs[:n] != first.inputs[:n])
+        n = min(n, int(differ[0]) if len(differ) else n)
+        if (s.routed is None) != (first.routed is None):
+            return 0
+        if s.routed is not None:
+            rows = np.flatnonzero((s.routed[:n] != first.routed[:n]).reshape(n, -1).any(-1))
+            n = min(n, int(rows[0]) if len(rows) else n)
+    return max(n, 0)
+
+
+def group_prefixes(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: Optional[int] = None,
+                   min_prefix: int = 16) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Split sequences into prefix-sharing units and the rest.
+
+    Sequences of one `group` sharing at least `min_prefix` positions (`shared_prefix`) form units of (prefix
+    length, member indices): members longest first, as many per unit as fit `token_budget` (prefix + count ×
+    longest suffix; the suffixes get at least half of it) and `max_seqs`; each unit computes the prefix once. Returns
+    (units, indices of the rest).
+    """
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(seqs):
+        if s.group and s.positions is None:
+            by_group.setdefault(s.group, []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    shared: set[int] = set()
+    for members in by_group.values():
+        if len(members) < 2:
+            continue
+        P = shared_prefix([seqs[i] for i in members])
+        if P < min_prefix:
+            continue
+        order = sorted(members, key=lambda i: (-len(seqs[i].inputs), i))
+        # the suffixes share what the prefix leaves of the budget, at least half of it (a prompt longer than the
+        # budget is trained segment by segment anyway, and alone each member would cost the whole prompt again)
+        budget = max(token_budget - P, token_budget // 2, 1)
+        for idx in pack_micro_batches([len(seqs[i].inputs) - P for i in order], budget, max_seqs):
+            if len(idx) > 1:
+                units.append((P, [order[j] for j in idx]))
+                shared.update(order[j] for j in idx)
+    return units, [i for i in range(len(seqs)) if i not in shared]
+
+
+def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Optional[tuple[int, int]]) -> MicroBatch:
+    """Right-pad `seqs` into one micro-batch on `device`; with `routing_shape` = (L, k) and any
+    sequence carrying recorded routing, also the [B, T, L, k] ids to replay (-1 elsewhere)."""
+    B, T = len(seqs), max(len(s.inputs) for s in seqs)
+    ids = np.zeros((B, T), dtype=np.int64)
+    valid = np.zeros((B, T), dtype=bool)
+    mask = np.zeros((B, T), dtype=bool)
+    targets = np.zeros((B, T), dtype=np.int64)
+    behaviour = np.zeros((B, T), dtype=np.float32)
+    adv = np.zeros((B, T), dtype=np.float32)
+    recorded = routing_shape is not None and any(s.routed is not None for s in seqs)
+    routed = np.full((B, T, *routing_shape), -1, dtype=np.int64) if recorded else None
+    packed = any(s.positions is not None for s in seqs)
+    positions = np.broadcast_to(np.arange(T), (B, T)).copy() if packed else None  # [B, T]
+    for b, s in enumerate(seqs):
+        n = len(s.inputs)
+        ids[b, :n], valid[b, :n], mask[b, :n] = s.inputs, True, s.mask
+        if packed and s.positions is not None:
+            positions[b, :n] = s.positions
+            positions[b, n:] = s.positions[-1] + 1 + np.arange(T - n)  # padding continues the last document
+        targets[b, :n], behaviour[b, :n], adv[b, :n] = s.targets, s.behaviour, s.advantage
+        if routed is not None and s.routed is not None:
+            if s.routed.shape[1:] != routing_shape:
+                raise ValueError(f"Trajectory.routed_experts has [L, k] = {list(s.routed.shape[1:])}, "
+                                 f"the model routes [L, k] = {list(routing_shape)}")
+            routed[b, :n] = s.routed
+    rows = np.broadcast_to(np.arange(B)[:, None], (B, T))  # [B, T]
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return MicroBatch(input_ids=t(ids), valid=t(valid), loss_mask=t(mask), targets=t(targets[mask]),
+                      behaviour=t(behaviour[mask]), advantages=t(adv[mask]), seq_ids=t(rows[mask]),
+                      routed=None if routed is None else t(routed),
+                      position_ids=None if positions is None else t(positions))
+
+
+__all__ = ["MicroBatch", "TrainSequence", "collate", "group_prefixes", "pack_micro_batches", "shared_prefix",
+           "split_documents", "to_train_sequence"]

@@ -9,10 +9,11 @@ layers, logit_scale, and (kimi_k3) images on, whose native patch weight stays ou
 Each is saved by model/formats/layouts.py `save_model` (which copies model/formats/remote/*.py in); then ONE fresh Python
 process loads both with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in float32 and
 float64, checks that no key is missing, unexpected or mismatched and that the experts keep their per-expert
-names, writes its logits on fixed tokens (one row left-padded) and runs `generate`. k3rl's packages
-(`model`, `kernels`, `rl`, `rollout`, `envs`) are out of that process's reach: the venv installs k3rl in
-editable mode, so the child removes that install's meta-path finder and the repository from sys.path, checks
-that `importlib.util.find_spec` finds none of the five, and at the end that none was imported. (A finder that
+names, writes its logits on fixed tokens (one row left-padded) and runs `generate`. k3rl (the `k3rl`
+namespace, and the bare folder names `model`, `kernels`, `rl`, `rollout`, `envs`, `util` in case a stray copy
+exists) is out of that process's reach: the venv installs k3rl in editable mode, so the child removes that
+install's meta-path finder and the repository from sys.path, checks that `importlib.util.find_spec` finds none
+of them, and at the end that none was imported. (A finder that
 raises ImportError for them would not model a machine without k3rl: transformers probes
 `find_spec("kernels")`, the name of Hugging Face's kernel-hub package, and expects None.)
 The parent compares:
@@ -46,7 +47,8 @@ CHILD = r'''
 import importlib.abc, importlib.util, re, sys
 from pathlib import Path
 
-BLOCKED = ("model", "kernels", "rl", "rollout", "envs")
+# k3rl installs one namespace; the folder names are listed too so that a stray top-level copy is caught
+BLOCKED = ("k3rl", "model", "kernels", "rl", "rollout", "envs", "util")
 REPO = sys.argv[2]
 
 # k3rl out of reach: the editable install's finder and path hook go, and so does the repository on sys.path;

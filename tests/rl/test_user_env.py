@@ -6,7 +6,8 @@ current directory and ships the file to the Ray workers (`py_modules`), on a loc
 by the driver (two rollout workers) and on a cluster started with `ray start --head`
 (`ray.address`). Also: an unknown environment is a named config error before anything is written,
 an installed package's `k3rl.envs` entry point resolves, and held-out tasks equal to a training task
-are counted.
+are counted. The user's directory also holds their own `model.py`, `rl.py`, `envs.py`, `rollout.py`
+and `util.py`, which k3rl (installed as `k3rl.*`) must not import.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def user_dir(tmp_path):
     d = tmp_path / "my_project"
     d.mkdir()
     (d / "guess_env.py").write_text(readme_guess())
+    # the user's own modules named like k3rl's folders: the driver imports from this directory, k3rl is k3rl.*
+    for name in ("model", "rl", "envs", "rollout", "util"):
+        (d / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py was imported')\n")
     (d / "train.jsonl").write_text("".join(json.dumps({"id": f"g{i}", "secret": 10 * i + 7}) + "\n" for i in range(4)))
     # the first held-out task is a training task in disguise (another id, same content)
     (d / "eval.jsonl").write_text(json.dumps({"id": "e0", "secret": 7}) + "\n" + json.dumps({"id": "e1", "secret": 55}) + "\n")

@@ -153,11 +153,12 @@ class Climb:
             return Path(self.cfg.pretrain.model_dir)
         target = self.run_dir / "init"
         if not _complete(target):  # written whole or not at all
+            from k3rl.envs.registry import tokenizer_texts
             from k3rl.model.init import init_model
             from k3rl.rl.checkpoint import atomic_dir
 
             with atomic_dir(target, kind="init") as tmp:
-                init_model(self.model_config, tmp, seed=self.cfg.run.seed)
+                init_model(self.model_config, tmp, seed=self.cfg.run.seed, tokenizer_texts=tokenizer_texts())
         return target
 
     def load_data(self, tokenizer: Any) -> None:
@@ -295,9 +296,7 @@ class Climb:
         """`k3rl eval`'s retrieval grid on the stage's final model, lengths up to the stage's (resumable)."""
         if not self.cfg.pretrain.eval_grid:
             return None
-        from omegaconf import OmegaConf
-
-        from k3rl.rl.commands.eval import run_eval
+        from k3rl.rl.eval.grid import eval_model_grid
 
         stage = self.cfg.pretrain.stages[index]
         sdir = st.stage_dir(self.run_dir, index, stage)
@@ -305,11 +304,8 @@ class Climb:
         # room for the answer turns after the longest prompt (a RoPE or NoPE model runs past its trained positions)
         room = max(lengths) + int(self.cfg.rollout.max_new_tokens) * int(self.cfg.rollout.max_turns) + 1024
         positions = max(room, int(self.model_config.max_position_embeddings))
-        ev = OmegaConf.merge(self.cfg, {"run": {"output_dir": str(sdir), "name": "eval"},
-                                        "eval": {"model_path": str(final), "context_lengths": lengths,
-                                                 "max_position_embeddings": positions},
-                                        "rollout": {"engine": "torch", "max_context_tokens": room}})
-        return run_eval(ev)
+        return eval_model_grid(self.cfg, final, sdir / "eval", lengths, max_context_tokens=room,
+                               max_position_embeddings=positions, engine="torch")
 
     def run(self) -> Path:
         """The whole climb (or what is left of it)."""

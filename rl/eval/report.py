@@ -1,4 +1,4 @@
-"""Reports of `k3rl eval` (rl/commands/eval.py): per-cell scores, effective lengths, the Markdown table, the heatmap.
+"""Reports of `k3rl eval` (rl/eval/grid.py): per-cell scores, effective lengths, the Markdown table, the heatmap.
 
 `aggregate` scores the task rows of each runner and cell with `rl.evaluate.score` (the one scorer: success
 with its Wilson interval, every reward component with its interval, tool calls) and bins success by

@@ -1,4 +1,4 @@
-"""Who `k3rl eval` (rl/commands/eval.py) evaluates: "runners", each turning the tasks of one cell into task rows.
+"""Who `k3rl eval` (rl/eval/grid.py) evaluates: "runners", each turning the tasks of one cell into task rows.
 
 - `ModelRunner`: the model of `eval.model_path` on a local engine through rollout/agent_loop.py's `AgentLoop`,
   greedy, with the rollout limits of `rollout:` — the native engine (rollout/torch_engine.py: K3 or any HF
@@ -24,66 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from k3rl.rl.config import ConfigError
+from k3rl.rl.eval.rows import task_row, tokens_read, transcript
 
 if TYPE_CHECKING:
-    from k3rl.rl.commands.eval import GridTask
+    from k3rl.rl.eval.cells import GridTask
 
 K3_MODEL_TYPES = ("k3rl_k3", "kimi_k3", "kimi_linear")
 """Model types of the K3 family: k3rl's own (which vLLM does not know) and vLLM's, whose kernels need CUDA."""
-
-
-def task_row(runner: str, gt: GridTask, reward: float, rewards: dict, metrics: dict, seconds: float,
-             transcript: str, success_key: Optional[str], error: str = "", error_kind: str = "",
-             **extra: Any) -> dict[str, Any]:
-    """One row of tasks.jsonl: the task, its cell, its evidence depths (`depths`: every evidence passage's, in
-    reading order; `depth`: the first one's, null without evidence), `prompt_tokens` (the whole in-context
-    prompt of its haystack, the cell's measure), the reported reward components, success by the environment's
-    rule (never for an error row), tool calls, tokens read, wall time, the transcript, the error and its kind (`error_kind`:
-    rl/eval/endpoint_client.py's kinds, `context`, `engine` or `task`; a resume runs the transient ones again), for
-    the model the first prompt the engine was given (`engine_prompt_tokens`: in context, the cell's prompt as
-    rendered for that model), and a runner's `extra` fields (the endpoint's `reply_truncated`, `note`)."""
-    from k3rl.rl.commands.eval import REPORTED
-    from k3rl.rl.eval.evaluate import is_success
-    from k3rl.rl.eval.report import Episode
-
-    numeric = {k: float(v) for k, v in rewards.items() if k in REPORTED and isinstance(v, (int, float))
-               and not isinstance(v, bool)}
-    ok = (not error) and is_success(Episode(reward, numeric), success_key)
-    return {"runner": runner, "task_id": gt.task_id, "family": gt.cell.family, "serve": gt.cell.serve,
-            "length": gt.cell.length, "task": gt.task, "depth": None if math.isnan(gt.depth) else gt.depth,
-            "depths": list(gt.depths),
-            "prompt_tokens": gt.prompt_tokens, "reward": float(reward), "rewards": numeric, "success": bool(ok),
-            "tool_calls": float(metrics.get("tool_calls", 0.0)),
-            "tokens_read": float(metrics.get("tokens_read", gt.prompt_tokens)), "seconds": round(seconds, 3),
-            "error": error, "error_kind": (error_kind or "task") if error else "", "transcript": transcript,
-            **({"engine_prompt_tokens": int(metrics["engine_prompt_tokens"])} if "engine_prompt_tokens" in metrics else {}),
-            **extra}
-
-
-def _transcript(messages: Sequence[dict[str, Any]]) -> str:
-    """The messages after the prompt (system, user), one `[role] content` block each."""
-    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages[2:])
-
-
-def tokens_read(messages: Sequence[dict[str, Any]], tokenizer: Any) -> int:
-    """Tokens a model reads in the episode `messages` (a message-level policy's: the baselines'), counted as the
-    model's own rows count them (`ModelRunner`: the trajectory's tokens less the sampled ones): the conversation
-    as the agent loop tokenises it (rollout/chat.py `render_transcript`: the prompt with its chat template and
-    generation prompt, each tool result with its turn delimiters, up to the last assistant turn) less the
-    assistant's tokens. Without a chat template (or a transcript the loop could not have produced): the
-    non-assistant messages' contents."""
-    from k3rl.rollout.chat import ChatRenderer, render_transcript
-
-    if getattr(tokenizer, "chat_template", None) is not None:
-        try:
-            ids, mask, _ = render_transcript(ChatRenderer(tokenizer), messages)
-            return len(ids) - sum(mask)
-        except ValueError:
-            pass
-    from k3rl.envs.base import as_token_counter
-
-    count = as_token_counter(tokenizer)
-    return sum(count(m["content"]) for m in messages if m["role"] != "assistant")
 
 
 # ---- who is evaluated: checks and construction
@@ -236,7 +183,7 @@ class ModelRunner:
     def run(self, cell_tasks: Sequence[GridTask]) -> list[dict[str, Any]]:
         import k3rl.envs as envs
         from k3rl.envs.base import Budget
-        from k3rl.rl.commands.eval import env_kwargs
+        from k3rl.rl.eval.cells import env_kwargs
         from k3rl.rl.eval.evaluate import success_rule
         from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
         from k3rl.rollout.engine import SamplingParams
@@ -436,7 +383,7 @@ class EndpointRunner:
 
         import k3rl.envs as envs
         from k3rl.envs.base import as_token_counter
-        from k3rl.rl.commands.eval import env_kwargs
+        from k3rl.rl.eval.cells import env_kwargs
         from k3rl.rl.eval.evaluate import success_rule
 
         cell = cell_tasks[0].cell
@@ -475,12 +422,12 @@ class EndpointRunner:
                             error=f"{type(e).__name__}: {e}", error_kind="task")
         read, note = policy.tokens_read(own)
         info = result.info
-        from k3rl.rl.commands.eval import REPORTED
+        from k3rl.rl.eval.cells import REPORTED
 
         rewards = {k: v for k, v in info.items() if k in REPORTED}
         metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": read}
         return task_row(self.name, gt, result.reward, rewards, metrics, time.perf_counter() - started,
-                        _transcript(result.messages), key, reply_truncated=policy.truncated, note=note)
+                        transcript(result.messages), key, reply_truncated=policy.truncated, note=note)
 
 
 # ---- the baselines
@@ -492,7 +439,7 @@ def run_baseline(name: str, cfg: Any, cell_tasks: Sequence[GridTask], tokenizer:
     import k3rl.envs as envs
     from k3rl.envs.base import Budget, as_token_counter, run_episode
     from k3rl.envs.teachers import ClosedBookPolicy, terminal_call
-    from k3rl.rl.commands.eval import REPORTED, env_kwargs
+    from k3rl.rl.eval.cells import REPORTED, env_kwargs
     from k3rl.rl.eval.evaluate import success_rule
 
     cell = cell_tasks[0].cell
@@ -520,7 +467,7 @@ def run_baseline(name: str, cfg: Any, cell_tasks: Sequence[GridTask], tokenizer:
             metrics = {"tool_calls": info.get("tool_calls", 0), "tokens_read": tokens_read(result.messages, tokenizer)}
             rewards = {k: v for k, v in info.items() if k in REPORTED}
             rows.append(task_row(name, gt, result.reward, rewards, metrics, time.perf_counter() - started,
-                                 _transcript(result.messages), key))
+                                 transcript(result.messages), key))
         except Exception as e:  # one task's failure is its row, not the run's end
             rows.append(task_row(name, gt, 0.0, {}, {}, time.perf_counter() - started, "", key,
                                  error=f"{type(e).__name__}: {e}"))

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from k3rl.rl.commands.eval import main, read_rows
+from k3rl.rl.commands.eval import main
+from k3rl.rl.eval.rows import read_rows
 
 REPO = Path(__file__).parents[2]
 MODEL = "hostile"

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from k3rl.rl.commands.eval import main, read_rows
+from k3rl.rl.commands.eval import main
 from k3rl.rl.eval.report import effective_length
+from k3rl.rl.eval.rows import read_rows
 
 REPO = Path(__file__).parents[2]
 GRID = ["eval.families=[needle,multihop]", "eval.serve=[context,search]", "eval.context_lengths=[1024,2048]",

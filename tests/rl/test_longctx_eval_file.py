@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from k3rl.rl.commands.eval import main, read_rows
+from k3rl.rl.commands.eval import main
+from k3rl.rl.eval.rows import read_rows
 
 REPO = Path(__file__).parents[2]
 LENGTHS = [512, 1024]
@@ -100,8 +101,8 @@ def test_gold_passages_sit_at_the_recorded_depth_and_the_seed_fixes_the_haystack
 
     import k3rl.envs as envs
     from k3rl.envs.longctx.taskfile import read_task_file
-    from k3rl.rl.commands.eval import build_grid, env_kwargs
     from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.eval.cells import build_grid, env_kwargs
 
     tok = AutoTokenizer.from_pretrained(k3_dir)
     cfg = load_config(args(tmp_path, k3_dir, tasks_file)[0], args(tmp_path, k3_dir, tasks_file)[1:], JobConfig)

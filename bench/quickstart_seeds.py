@@ -21,7 +21,7 @@ layer norm under each (`--check-paths` prints that table): on torch 2.13.0 (MKL 
 3.12) `ATEN_CPU_CAPABILITY` changes all of them, `MKL_CBWR=COMPATIBLE` changes the matmul, while
 `MKL_ENABLE_INSTRUCTIONS` and `DNNL_MAX_CPU_ISA` changed nothing on an AVX2-only EPYC.
 
-Each run is a subprocess of its own (`python -m rl.quickstart run.seed=S …`, its own local Ray
+Each run is a subprocess of its own (`python -m rl.commands.quickstart run.seed=S …`, its own local Ray
 cluster), one after the other so the timings are comparable; rows print as they finish, then a
 Markdown table and the share of runs that improved held-out success beyond the interval.
 Everything lands in `--out` (default `bench/out/quickstart_seeds/`): each run's directory, and

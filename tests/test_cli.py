@@ -43,7 +43,7 @@ def test_missing_config_file_is_named():
 
 
 def test_help_and_config_do_not_import_torch():
-    code = ("import sys, rl.cli; rl.cli.main(['config', 'configs/rl/quickstart.yaml']); "
+    code = ("import sys, k3rl.rl.commands.cli; k3rl.rl.commands.cli.main(['config', 'configs/rl/quickstart.yaml']); "
             "print('TORCH' if 'torch' in sys.modules else 'LIGHT', file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -102,7 +102,7 @@ def collapses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def report(rl_dir: Path, started: float, hedge: str = "", success_key: str | None = "em") -> dict[str, Any]:
     """Before/after numbers from the RL run's metrics (the step-0 and the last evaluation), what
-    the held-out episodes did differently (`rl.transcripts.behaviour`), a few of them side by side,
+    the held-out episodes did differently (`rl.eval.transcripts.behaviour`), a few of them side by side,
     and any training collapse."""
     from k3rl.rl.eval.transcripts import behaviour, eval_path, read_eval_episodes, side_by_side
     from k3rl.rl.metrics import read_metrics

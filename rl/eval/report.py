@@ -1,6 +1,6 @@
 """Reports of `k3rl eval` (rl/eval/grid.py): per-cell scores, effective lengths, the Markdown table, the heatmap.
 
-`aggregate` scores the task rows of each runner and cell with `rl.evaluate.score` (the one scorer: success
+`aggregate` scores the task rows of each runner and cell with `rl.eval.evaluate.score` (the one scorer: success
 with its Wilson interval, every reward component with its interval, tool calls) and bins success by
 evidence depth — the deepest evidence passage's (`bin_depth`: how far into the haystack the model must read
 to hold every fact the answer rests on; a multihop chain's hops sit at several depths); `effective_length`
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 @dataclass
 class Episode:
-    """A finished task as `rl.evaluate.score` reads it (reward, reward components, counters)."""
+    """A finished task as `rl.eval.evaluate.score` reads it (reward, reward components, counters)."""
 
     reward: float
     rewards: dict
@@ -31,7 +31,7 @@ class Episode:
 
 
 def aggregate(rows: Sequence[dict[str, Any]], ratio: float, depth_bins: int) -> dict[str, Any]:
-    """Per runner and cell: `rl.evaluate.score` of the rows without an error, error count, means of tokens and
+    """Per runner and cell: `rl.eval.evaluate.score` of the rows without an error, error count, means of tokens and
     time; per runner, family and serving: the effective length; per cell: success by depth bin."""
     from k3rl.rl.eval.evaluate import Score, score
 

@@ -125,7 +125,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
 
 def demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwargs: dict | None = None, **kwargs):
     """Successful oracle demonstrations as a `datasets.Dataset` with `input_ids` and
-    `assistant_masks` (the loss mask of `rl.supervised.as_trajectory`) plus `task_id`, `reward`, `turns`,
+    `assistant_masks` (the loss mask of `rl.train.supervised.as_trajectory`) plus `task_id`, `reward`, `turns`,
     `prompt_tokens`; prints how many were kept. Keyword arguments as `collect_demonstrations`."""
     from datasets import Dataset
 

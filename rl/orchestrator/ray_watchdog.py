@@ -2,7 +2,7 @@
 
 Ray ties its GCS and raylet to the driver that started them (`PR_SET_PDEATHSIG`), and workers follow their
 raylet, but the raylet's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) outlive it: measured with
-Ray 2.60, still alive minutes later and deaf to SIGTERM. `rl.cluster.init_ray` starts this file as a small
+Ray 2.60, still alive minutes later and deaf to SIGTERM. `rl.orchestrator.cluster.init_ray` starts this file as a small
 process of its own (its own session, so a signal to the driver's process group spares it) right after a
 LOCAL cluster is up; it never runs for a cluster joined with `ray.address`.
 

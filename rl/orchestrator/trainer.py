@@ -80,7 +80,7 @@ of MoE models, …), `perf/*` (step time, time waiting for rollouts, training an
 time; `gen_tokens_per_s` = tokens sampled by the collections that arrived during the step ÷ the
 step's wall time, `train_tokens_per_s` from the learner), `eval/*` on evaluation steps, and
 `batch` / `dropped`: [group_id, trajectories, oldest policy version] of every group trained or
-dropped. `eval/*` comes from `rl.evaluate.score`: success rate with its Wilson interval, and every
+dropped. `eval/*` comes from `rl.eval.evaluate.score`: success rate with its Wilson interval, and every
 numeric reward component the environment reports with `_ci_low/_ci_high`. Callbacks `fn(trainer, StepResult)` run
 after each step is logged and saved. Every
 held-out evaluation also writes its episodes as text to `eval/step_NNNN.jsonl` (`rl/eval/transcripts.py`).

@@ -23,7 +23,7 @@ One forward, on every rank of the group (all must call it, also with zero tokens
 Both all-to-alls are differentiable (`AllToAll`: the backward is the all-to-all with the splits swapped),
 so gradients reach z, the routing weights and the local experts. The expert weight gradients are the
 sums over every token the owning rank received, i.e. the one-rank gradient of the EP group's tokens;
-across data-parallel replicas they are summed by FSDP or `rl.parallel.sync_grads`.
+across data-parallel replicas they are summed by FSDP or `rl.train.parallel.sync_grads`.
 
 Departures: the received rows are computed with k = 1 and weight 1 and the routing weights applied on the
 sending rank after the return trip, so the per-expert outputs pass once through the model dtype before

@@ -36,7 +36,7 @@ MoE models (K3): routed-expert replay (R3) passes `Trajectory.routed_experts` to
 when `routing_replay` is on; tokens without a recorded routing (-1: prompt, tool output, the
 last sampled token) are routed by the learner's router, and the padding mask keeps padding out
 of the balancing statistics (both are arguments of the model's router: model/moe.py
-`Router.forward`). After each step `rl.router_balance.balance_routers` updates the router
+`Router.forward`). After each step `rl.train.router_balance.balance_routers` updates the router
 biases from the step's statistics (reduced over ranks) and reports MaxVio per MoE layer.
 
 Checkpoints (`save`, `save_into`, `load`): a Hugging Face directory (K3: the released layout its config

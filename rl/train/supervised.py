@@ -1,7 +1,7 @@
 """Supervised training through the learner: token sequences with loss masks, the `nll` objective.
 
 What `k3rl sft` runs on demonstrations (loss mask = the assistant's tokens), and what the staged
-pretraining backbone will run on documents (loss mask = every token): the same `rl.learner.Learner`
+pretraining backbone will run on documents (loss mask = every token): the same `rl.train.learner.Learner`
 as RL — its micro-batching, chunked log-probs, NaN guard, optimizers, learning-rate schedule, router
 balancing and checkpoints — with `rl/algos/nll.py` as the objective. There is no second training loop
 and no second log-prob path.

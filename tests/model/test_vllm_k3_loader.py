@@ -3,7 +3,7 @@
 For each released layout (`kimi_linear` → `KimiLinearForCausalLM`, `kimi_k3` →
 `KimiK3ForConditionalGeneration`), a tiny native K3 (KDA and MLA layers, MoE with a shared expert,
 AttnRes, q_lora, gate lower bound −5; for kimi_k3 images on, so `k3rl_patch_embed.safetensors` sits
-beside the index) is saved with `model.hf_layout.save_model`; vLLM's module tree for the directory is
+beside the index) is saved with `k3rl.model.formats.layouts.save_model`; vLLM's module tree for the directory is
 built on the CPU from vLLM's own config classes, every parameter and buffer is NaN-filled, and the
 model's own `load_weights` runs over vLLM's own weight iteration (`DefaultModelLoader.get_all_weights`:
 the index decides which files are read). Nothing runs through the model.

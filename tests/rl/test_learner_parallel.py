@@ -12,7 +12,7 @@ same global batch:
   gathered by `named_weights`, equal the one-rank values within 1e-10;
 * `save_into` (every rank: DCP shards; rank 0: the released-layout export and the layout file), then a second step;
   a fresh 2-rank learner loads the checkpoint and takes the same second step: its weights equal the uninterrupted
-  run's; the export read by `model.hf_layout.load_model` equals the weights after step 1;
+  run's; the export read by `k3rl.model.formats.layouts.load_model` equals the weights after step 1;
 * the sharded checkpoint refuses to load into a one-rank learner, naming the layout.
 The config check runs the way `k3rl train` does (load_config, then the trainer's checks before anything starts).
 """

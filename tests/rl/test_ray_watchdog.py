@@ -40,7 +40,7 @@ def test_a_dead_drivers_session_writers_are_stopped_and_its_readers_kept(tmp_pat
         driver = textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(REPO)!r})
-            from rl.cluster import start_watchdog
+            from k3rl.rl.orchestrator.cluster import start_watchdog
             print(start_watchdog({str(session)!r}).pid, flush=True)
         """)
         out = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=60)

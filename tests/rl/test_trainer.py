@@ -487,7 +487,7 @@ def test_two_node_cluster_places_workers_on_both_nodes(tiny_qwen3_dir, task_file
         try:
             import ray
             from rl.config import load_config
-            from rl.trainer import TrainJobConfig, Trainer
+            from k3rl.rl.orchestrator.trainer import TrainJobConfig, Trainer
             cfg = load_config(None, {items!r} + ["ray.address=" + cluster.address], schema=TrainJobConfig)
             placed = []
             def where(trainer, result):
@@ -533,7 +533,7 @@ def test_short_run_with_vllm_engine(ray_cluster, tiny_qwen3_dir, task_files, tmp
 
 
 def kill_after_a_checkpoint(config: Path, run_dir: Path, log_path: Path) -> tuple[Path, dict]:
-    """Start `python -m rl.trainer config`, kill -9 it once a checkpoint exists and a later step is already
+    """Start `python -m k3rl.rl.orchestrator.trainer config`, kill -9 it once a checkpoint exists and a later step is already
     logged (so resume must cut metrics.jsonl back); the newest checkpoint and its trainer state."""
     from k3rl.rl import checkpoint as ckpt
 

@@ -1,8 +1,8 @@
 """Process hygiene: a driver killed with SIGKILL (no `ray.shutdown`, no atexit) leaves no process of the local
 Ray cluster it started behind. GCS, raylet, workers and actors go with it (Ray's fate-sharing); Ray's agents
 (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) outlive their raylet, and the run's watchdog
-(rl/orchestrator/ray_watchdog.py) stops them: an async `rl.trainer` run killed mid-step leaves nothing of its Ray session
-alive 15 s later. With the watchdog killed too, the next local start (`rl.cluster.init_ray`) reaps them.
+(rl/orchestrator/ray_watchdog.py) stops them: an async `k3rl train` run killed mid-step leaves nothing of its Ray session
+alive 15 s later. With the watchdog killed too, the next local start (`rl.orchestrator.cluster.init_ray`) reaps them.
 
 "Of the run" is checked two ways: the driver's process tree taken before the kill, and every process holding
 a file under the run's Ray session directory (where each of its processes keeps its logs)."""
@@ -30,7 +30,7 @@ DRIVER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
 import ray
-from rl.cluster import init_ray
+from k3rl.rl.orchestrator.cluster import init_ray
 from rl.config import RayConfig
 
 init_ray(RayConfig(address=None, num_cpus=1), log_to_driver=False)

@@ -1,0 +1,80 @@
+"""The `learner:` section: how the policy is optimised, for every objective the learner trains (RL, SFT, pretraining)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from k3rl.rl.config.sections import DType, LRSchedule, Optimizer
+
+
+@dataclass
+class LearnerSettings:
+    """The `learner:` section: how the policy is optimised, for every objective the learner trains
+    (rl/train/learner.py `LearnerConfig` adds what the driver decides: model, algorithm, seed, device)."""
+
+    lr: float = 1e-5
+    """Peak learning rate of the optimizer."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, on matrices (≥ 2-D) only; norms, biases and 1-D parameters get none."""
+    adam_beta1: float = 0.9
+    """AdamW β₁ (also the AdamW part of `muon`)."""
+    adam_beta2: float = 0.999
+    """AdamW β₂."""
+    adam_eps: float = 1e-8
+    """AdamW ε."""
+    optimizer: Optimizer = Optimizer["adamw"]
+    """`adamw`, or `muon`: torch.optim.Muon on the 2-D hidden matrices (not embeddings, LM head, or
+    [1, d] vectors) with `adjust_lr_fn="match_rms_adamw"` so `lr` means the same, AdamW on the rest."""
+    muon_momentum: float = 0.95
+    """Momentum of Muon's matrices (`optimizer: muon`)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping; the norm is reported either way)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (B·T) per micro-batch; a longer sequence gets a micro-batch of its own."""
+    logprob_chunk_size: int = 1024
+    """Loss-mask rows per chunk of the LM head (peak extra memory ≈ chunk × V × 4 bytes)."""
+    compute_entropy: bool = False
+    """Also report the policy entropy on loss-mask tokens (one more pass over each chunk)."""
+    routing_replay: bool = True
+    """R3: replay `Trajectory.routed_experts` on MoE models that accept `routed_expert_ids`."""
+    ref_model_path: Optional[str] = None
+    """Reference policy for the KL term (algo_args.kl_coef > 0); null: the initial policy."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward (less memory, about a third more compute)."""
+    dtype: DType = DType["float32"]
+    """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
+    parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
+    lr_scheduler: LRSchedule = LRSchedule["constant"]
+    """`constant`, `constant_with_warmup`, `linear` or `cosine` (both decay to `min_lr_ratio` × lr at
+    `total_steps`), or `wsd` (warmup, stable, then a cosine decay over the last `decay_steps`), over optimizer
+    steps (a skipped step does not advance it). Like transformers, step k uses the factor of k, so a warmup's
+    first step has learning rate 0."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to `lr` over this many steps (not for `constant`)."""
+    total_steps: Optional[int] = None
+    """Steps `linear` and `cosine` decay over; null: the job's step count (`rl.steps`, or the SFT run's steps)."""
+    decay_steps: int = 0
+    """`wsd`: the last steps, which decay the learning rate."""
+    min_lr_ratio: float = 0.0
+    """`cosine` and `wsd`: the learning rate they decay to, as a fraction of `lr`."""
+    micro_batch_seqs: Optional[int] = None
+    """At most this many sequences per micro-batch besides the token budget; null: no limit."""
+    segment_tokens: Optional[int] = None
+    """K3: train a sequence (or shared prompt) longer than this segment by segment — the forward keeps only the
+    state at each boundary, the backward recomputes one segment at a time (rl/train/segments.py): activation memory of
+    one segment, same loss and gradients, one more forward. null: whole sequences."""
+    share_prefix: bool = True
+    """The samples of a group share their prompt: forward and backward it once and branch from its state (K3: the
+    hybrid cache, the prompt's tokens counted once in the router statistics; other models: their KV cache;
+    rl/train/segments.py)."""
+    expert_parallel: int = 1
+    """K3: split the routed experts of every MoE layer across this many learner ranks (all-to-all token dispatch,
+    rl/train/expert_parallel.py); the ranks form data-parallel replicas of `expert_parallel` ranks each, so the number of
+    learner ranks (`rl.num_learners`) must be a multiple of it. 1: every rank holds every expert."""
+    fsdp: bool = False
+    """K3: shard parameters, gradients and optimizer states across the learner ranks with FSDP2 (the routed experts
+    across the data-parallel replicas, as they are already split by `expert_parallel`; rl/train/parallel.py). With
+    `expert_parallel > 1` or `fsdp` (and more than one rank) the learner runs only AdamW, no reference model
+    (`algo.args.kl_coef: 0`), whole sequences (`segment_tokens: null`) and no prefix sharing (`share_prefix: false`),
+    since every rank must run the same forward and backward passes."""

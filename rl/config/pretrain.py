@@ -1,0 +1,110 @@
+"""The `pretrain:` section of `k3rl pretrain`: corpora, the stages of the context climb, the cluster of `--plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Optional
+
+LRShape = StrEnum("LRShape", {n: n for n in ("wsd", "cosine", "constant")})
+"""A pretraining stage's learning-rate shape: `wsd` (warmup, stable, decay over the last `decay_fraction`),
+`cosine` (warmup, then cosine to `min_lr_ratio`) or `constant` (after warmup)."""
+OptimizerHandoff = StrEnum("OptimizerHandoff", {"keep": "keep", "reset": "reset"})
+"""What a stage takes of the previous stage's optimizer: its moments (`keep`) or nothing (`reset`)."""
+
+
+@dataclass
+class DataSource:
+    """One pretraining corpus (rl/pretrain/data.py): read (every local file checked before any work: a bad one
+    is `path:line: what is wrong`), its control-token strings neutralised, tokenized once and cached."""
+
+    path: str = "wiki"
+    """A built-in corpus (`wiki`: Wikipedia lead summaries, `shakespeare`: 42 plays) or a local file, directory or
+    glob of text, JSONL or Parquet files."""
+    format: str = "auto"
+    """`auto` (from the suffix), `text`, `json` (JSONL) or `parquet`; ignored for built-in corpora."""
+    text_field: str = "text"
+    """The column holding the text (JSONL, Parquet)."""
+    group_by: Optional[str] = None
+    """Long documents: records sharing this column's value are concatenated, in order, into one document (e.g.
+    the chapters of a book). Built-ins: `topic` groups the wiki summaries; the plays are whole already."""
+    min_tokens: int = 0
+    """Documents shorter than this (after grouping) are left out: a long-document source keeps only texts that
+    really are long."""
+    streaming: bool = False
+    """Read Parquet files as a stream (`datasets` streaming): a corpus larger than memory is tokenized shard by
+    shard into the on-disk cache. JSONL files are always read line by line, a text file whole (one document)."""
+
+
+@dataclass
+class StageConfig:
+    """One stage of the staged context climb (8K → 64K → 256K → 1M); rl/commands/pretrain.py."""
+
+    seq_len: int = 8192
+    """Tokens per packed row (documents packed to this length, their boundaries respected)."""
+    tokens: int = 1_000_000
+    """Token budget of the stage (rounded up to whole optimizer steps of `batch_tokens`)."""
+    batch_tokens: int = 65536
+    """Tokens per optimizer step over all ranks (a multiple of `seq_len`)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    schedule: LRShape = LRShape["wsd"]
+    warmup_steps: int = 0
+    decay_fraction: float = 0.2
+    """`wsd`: the fraction of the stage's steps spent decaying."""
+    min_lr_ratio: float = 0.0
+    """The learning rate at the end of the decay, as a fraction of `lr`."""
+    rope_theta: Optional[float] = None
+    """RoPE base of the MLA layers from this stage on (models with `mla_use_nope: false`; null keeps the model's;
+    under NoPE it is ignored, and the run says so once)."""
+    mixture: dict[str, float] = field(default_factory=dict)
+    """Weights of `pretrain.sources` by name (normalised; empty: every source, weighted by its tokens)."""
+    optimizer: OptimizerHandoff = OptimizerHandoff["keep"]
+    """From the previous stage's final checkpoint: keep its optimizer moments or reset them (the first stage
+    starts fresh either way)."""
+    segment_tokens: Optional[int] = None
+    """Segment-recurrent training above this many tokens per document (null: `learner.segment_tokens`)."""
+
+
+@dataclass
+class PlanConfig:
+    """`k3rl pretrain CONFIG --plan`: the cluster the time estimate is for (rl/pretrain/plan.py)."""
+
+    gpu: str = "h200"
+    """Accelerator of the named cluster (its peak dense bf16 FLOP/s and memory come from rl/pretrain/plan.py)."""
+    num_gpus: int = 1024
+    mfu: float = 0.35
+    """Model FLOPs utilisation assumed for the time estimate."""
+    dtype_bytes: int = 2
+    """Bytes per activation value (2: bf16 training)."""
+
+
+@dataclass
+class PretrainConfig:
+    """Staged pretraining of the backbone (`k3rl pretrain`, rl/commands/pretrain.py)."""
+
+    model_dir: Optional[str] = None
+    """Hugging Face directory to start from; null: a random model from the `model:` section."""
+    sources: dict[str, DataSource] = field(default_factory=dict)
+    """Corpora by name; stages mix them (`stages[i].mixture`). Empty: the built-in corpora, `wiki` (short
+    documents) and `plays` (`shakespeare`, whole plays: the long documents)."""
+    stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
+    num_learners: int = 1
+    """Data-parallel learner ranks (> 1: Ray actors, as the RL learner's `rl.num_learners`)."""
+    heldout_source: Optional[str] = None
+    """Source whose `heldout_docs` longest-available documents are held out for perplexity by position (null:
+    the source with the longest documents)."""
+    heldout_docs: int = 2
+    heldout_every: int = 0
+    """Perplexity by position on the held-out documents every this many steps (0: at each stage's start and end)."""
+    save_every: int = 5
+    """Checkpoint every this many steps of a stage (and at its end)."""
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    eval_grid: bool = True
+    """After each stage, `k3rl eval`'s retrieval grid (`eval.families` × lengths up to the stage's) on its model."""
+    eval_lengths: list[int] = field(default_factory=list)
+    """Grid lengths (those ≤ the stage's length are used); empty: powers of 4 from 512 up to the stage length."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0

@@ -101,6 +101,7 @@ def measure(model_dir: Path, trajectories, expert_parallel: int, fsdp: bool, ste
 def run_measured(args) -> None:
     import ray
 
+    from k3rl.envs.registry import tokenizer_texts
     from k3rl.model.init import init_model
     from k3rl.rl.config import load_model_config
 
@@ -109,7 +110,7 @@ def run_measured(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         print(f"building {args.config} …", flush=True)
-        init_model(config, model_dir, seed=0)
+        init_model(config, model_dir, seed=0, tokenizer_texts=tokenizer_texts())
         trajectories = batch(config.vocab_size)
         tokens = sum(len(t.tokens) for t in trajectories)
         rows = []
@@ -133,9 +134,11 @@ def run_measured(args) -> None:
 # ---- sizing arithmetic (--plan)
 
 def run_plan(args) -> None:
-    """RL on the published K3 on H200 nodes, from the parameter counts and rl/pretrain/plan.py's activation model."""
+    """RL on the published K3 on H200 nodes, from the parameter counts and rl/pretrain/cost.py's activation model."""
     from k3rl.rl.config import load_model_config
-    from k3rl.rl.pretrain.plan import GPUS, activation_bytes, parameter_summary
+    from k3rl.rl.pretrain.cost import activation_bytes
+    from k3rl.rl.pretrain.param_memory import parameter_summary
+    from k3rl.rl.pretrain.plan import GPUS
 
     config = load_model_config(str(ROOT / "configs/model/k3.yaml"), [])
     gpu = GPUS["h200"]

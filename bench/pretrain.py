@@ -4,7 +4,7 @@ fit, each measurement in a fresh process so the peaks do not mix.
 
 For every stage of the climb config (default configs/pretrain/cpu.yaml: the tiny K3 with RoPE on its MLA layers,
 512 → 2K → 8K → 32K): the random model of the config's `model:` section (built once, seed 0), the stage's learner
-(`rl.stages.learner_config`: its rate, schedule, RoPE base) and the stage's packed rows (rl/pretrain/data.py
+(`rl.pretrain.stages.learner_config`: its rate, schedule, RoPE base) and the stage's packed rows (rl/pretrain/data.py
 `PackedRows` of the stage's length and mixture, seed 0, held-out documents excluded — what `k3rl pretrain` trains
 on). One measured step holds the stage's rows per optimizer step, capped at `--tokens-per-step` tokens (at least
 one row); 1 warm-up step, then `--steps` timed steps (rows of the next steps); the table gives the median.
@@ -232,11 +232,12 @@ def main() -> None:
         if cfg.pretrain.model_dir is not None:
             model_dir = str(cfg.pretrain.model_dir)
         else:
+            from k3rl.envs.registry import tokenizer_texts
             from k3rl.model.config import K3Config
             from k3rl.model.init import init_model
 
             model_dir = str(Path(tmp) / "init")
-            init_model(K3Config.from_model_config(cfg.model), model_dir, seed=SEED)
+            init_model(K3Config.from_model_config(cfg.model), model_dir, seed=SEED, tokenizer_texts=tokenizer_texts())
         from transformers import AutoTokenizer
 
         stores = stores_of(cfg, AutoTokenizer.from_pretrained(model_dir))

@@ -1,4 +1,4 @@
-"""Environment registry: configs say ``env: search``; ``k3rl envs`` lists what is registered.
+"""Environment registry: configs say ``env: search``; ``k3rl envs`` (rl/commands/envs.py) lists what is registered.
 
 A config names an environment in one of three ways (``resolve`` turns each into an ``Entry``):
 
@@ -22,8 +22,9 @@ import importlib.metadata
 import os
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -190,6 +191,10 @@ def list_envs() -> list[Entry]:
     return [entries[k] for k in sorted(entries)]
 
 
+PROTOCOL_REPEATS = 100
+"""How often `tokenizer_texts` repeats the tool protocol, so that its words become single tokens."""
+
+
 def protocol_texts() -> list[str]:
     """The tool-protocol text every built-in environment shows a model: its system message
     (preamble, call syntax, tool schemas) and one call of each tool. Tokenizers are trained
@@ -215,23 +220,9 @@ def protocol_texts() -> list[str]:
     return texts
 
 
-def main(argv: list[str]) -> int:
-    """``k3rl envs``: print one line per registered environment."""
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: k3rl envs\n\nList the registered environments, one line each.")
-        return 0
-    if argv:
-        print(f"k3rl envs: unexpected arguments {argv}", file=sys.stderr)
-        return 2
-    entries = list_envs()
-    width = max((len(e.name) for e in entries), default=0)
-    for e in entries:
-        print(f"{e.name:<{width}}  {e.summary}")
-    return 0
+def tokenizer_texts() -> Iterator[str]:
+    """What the built-in tokenizer is trained on (model/init.py `init_model`, passed in by the commands): the
+    built-in wiki text, then the tool protocol (schemas, calls, framing) `PROTOCOL_REPEATS` times."""
+    from k3rl.envs.sources import builtin_texts
 
-
-if __name__ == "__main__":
-    # Run through the package module so built-ins register into the same registry.
-    from k3rl.envs.registry import main as _main
-
-    sys.exit(_main(sys.argv[1:]))
+    return chain(builtin_texts("wiki"), protocol_texts() * PROTOCOL_REPEATS)

@@ -55,7 +55,7 @@ def get_corpus(spec: Corpus | CorpusConfig | str) -> Corpus:
     if isinstance(spec, Corpus):
         return spec
     if isinstance(spec, str) and spec.endswith((".yaml", ".yml")):
-        from k3rl.rl.commands.corpus import read_config
+        from k3rl.envs.corpus_config import read_config
 
         spec = read_config(spec, [])
     key = json.dumps(asdict(spec), sort_keys=True) if isinstance(spec, CorpusConfig) else spec

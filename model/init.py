@@ -5,22 +5,22 @@ images on, else `kimi_linear`), readable by vLLM and by transformers with `trust
 
 What `k3rl init` (rl/commands/model_tools.py) and the SFT and quickstart drivers call. The directory is written to
 a temporary sibling and renamed, so a crash never leaves half a directory. The tokenizer is a
-byte-level BPE trained on the built-in wiki text and the environments' tool protocol
-(`envs.registry.protocol_texts`), for vocabularies up to `TOKENIZER_MAX_VOCAB`; it is trained
-before the weights are drawn, and the weights come from `torch.manual_seed(seed)`, so a seed gives
-the same model every time.
+byte-level BPE trained on texts the command passes in (envs/registry.py `tokenizer_texts`: the built-in wiki
+text and the environments' tool protocol; `model/` knows no environment), for vocabularies up to
+`TOKENIZER_MAX_VOCAB`; it is trained before the weights are drawn, and the weights come from
+`torch.manual_seed(seed)`, so a seed gives the same model every time.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 TOKENIZER_MAX_VOCAB = 65536
-PROTOCOL_REPEATS = 100
 
 
 @dataclass
@@ -43,8 +43,11 @@ def fits_in_memory(config: Any, fraction: float = 0.8) -> tuple[bool, float, flo
     return need <= fraction * have, need / 2**30, have / 2**30
 
 
-def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool = True) -> InitResult:
-    """Write a random `K3ForCausalLM` of `config` (a K3Config) and its tokenizer to `out_dir`.
+def init_model(config: Any, out_dir: str | Path, seed: int = 0,
+               tokenizer_texts: Iterable[str] | None = None) -> InitResult:
+    """Write a random `K3ForCausalLM` of `config` (a K3Config) to `out_dir`, with a tokenizer trained on
+    `tokenizer_texts` (envs/registry.py `tokenizer_texts()`) when given and the vocabulary is at most
+    `TOKENIZER_MAX_VOCAB`.
 
     Raises ValueError if `out_dir` exists and is not empty, or the weights do not fit in memory."""
     import torch
@@ -58,7 +61,8 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool 
     ok, need, have = fits_in_memory(config)
     if not ok:
         raise ValueError(f"{need:.1f} GiB of fp32 weights do not fit in {have:.1f} GiB of memory")
-    tok = train_builtin_tokenizer(config) if tokenizer and config.vocab_size <= TOKENIZER_MAX_VOCAB else None
+    small = config.vocab_size <= TOKENIZER_MAX_VOCAB
+    tok = train_builtin_tokenizer(config, tokenizer_texts) if tokenizer_texts is not None and small else None
     torch.manual_seed(seed)
     model = K3ForCausalLM(config)
     tmp = out_dir.parent / f".{out_dir.name}.tmp"
@@ -71,12 +75,9 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0, tokenizer: bool 
     return InitResult(out_dir, sum(p.numel() for p in model.parameters()), len(tok) if tok is not None else None)
 
 
-def train_builtin_tokenizer(config: Any):
-    """The built-in byte-level BPE tokenizer for `config` (its special-token ids must be the built-in ones)."""
-    from itertools import chain
-
-    from k3rl.envs.corpus import builtin_texts
-    from k3rl.envs.registry import protocol_texts
+def train_builtin_tokenizer(config: Any, texts: Iterable[str]):
+    """The built-in byte-level BPE tokenizer for `config` (its special-token ids must be the built-in ones),
+    trained on `texts` (envs/registry.py `tokenizer_texts()`)."""
     from k3rl.model.tokenizer import MEDIA_PLACEHOLDER_ID, train_tokenizer
 
     expected = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -86,6 +87,4 @@ def train_builtin_tokenizer(config: Any):
     if config.media_placeholder_token_id not in (None, MEDIA_PLACEHOLDER_ID):
         raise ValueError(f"media_placeholder_token_id: the built-in tokenizer's <|media_pad|> is "
                          f"{MEDIA_PLACEHOLDER_ID}, the config says {config.media_placeholder_token_id}")
-    # The tool protocol (schemas, calls, framing) is repeated so that its words become single tokens.
-    texts = chain(builtin_texts("wiki"), protocol_texts() * PROTOCOL_REPEATS)
     return train_tokenizer(texts, config.vocab_size, model_max_length=config.max_position_embeddings)

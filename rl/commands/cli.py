@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("k3rl.rl.commands.selfcheck:main", "check the stack end to end: Ray actors, Triton kernels, vLLM vs transformers"),
     "quickstart": ("k3rl.rl.commands.quickstart:main", "quickstart [CONFIG] [key=value…]: the main job — tiny K3 from scratch, SFT, "
                    "GRPO on Ray, held-out success before/after RL"),
-    "train": ("k3rl.rl.orchestrator.trainer:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
+    "train": ("k3rl.rl.commands.train:main", "train CONFIG [key=value…]: RL post-training on Ray (rl.resume=true continues a run)"),
     "eval": ("k3rl.rl.commands.eval:main", "eval CONFIG [key=value…]: long-context evidence retrieval, families × lengths × "
                                      "servings, with oracle and closed-book baselines"),
     "pretrain": ("k3rl.rl.commands.pretrain:main", "pretrain CONFIG [key=value…] [--plan]: staged pretraining, the context climb "
@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("k3rl.rl.commands.model_tools:init_main", "init CONFIG OUT_DIR [key=value…]: random-init K3 model (+ tokenizer) as an HF dir"),
     "export": ("k3rl.rl.commands.model_tools:export_main", "export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4]: a K3 dir "
                "(any layout) rewritten in a released layout"),
-    "envs": ("k3rl.envs.registry:main", "list the registered environments, one line each"),
+    "envs": ("k3rl.rl.commands.envs:main", "list the registered environments, one line each"),
     "corpus": ("k3rl.rl.commands.corpus:main", "corpus build CONFIG|NAME [key=value…] [--rebuild]: build and cache a corpus index"),
 }
 

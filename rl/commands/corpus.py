@@ -18,32 +18,6 @@ key=value  override a setting, e.g. limit=2000 indexes=[bm25,dense] bm25.k1=0.9
 --rebuild  ignore the cache and build everything again"""
 
 
-def read_config(path_or_name: str, overrides: list[str]):
-    """A ``CorpusConfig`` from a YAML file (or built-in source name) plus dotted overrides."""
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    from k3rl.envs.corpus import CorpusConfig
-    from k3rl.envs.sources import BUILTIN_SOURCES
-
-    base = OmegaConf.structured(CorpusConfig)
-    try:
-        if path_or_name in BUILTIN_SOURCES:
-            layers = [OmegaConf.create({"name": path_or_name, "source": path_or_name})]
-        else:
-            layers = [OmegaConf.load(path_or_name)]
-        layers.append(OmegaConf.from_dotlist(overrides))
-        merged = OmegaConf.merge(base, *layers)
-    except ConfigKeyError as exc:
-        valid = ", ".join(CorpusConfig.__dataclass_fields__)
-        raise ValueError(f"{exc.msg.splitlines()[0]}; valid keys: {valid}") from None
-    except (yaml.YAMLError, OmegaConfBaseException) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path_or_name}: not a corpus config YAML ({first})") from None
-    return OmegaConf.to_object(merged)
-
-
 def main(argv: list[str]) -> int:
     """Entry point for ``k3rl corpus …``; returns the exit code."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -54,6 +28,8 @@ def main(argv: list[str]) -> int:
         return 2
     rebuild = "--rebuild" in argv
     config_arg, *overrides = [a for a in argv[1:] if a != "--rebuild"]
+    from k3rl.envs.corpus_config import read_config
+
     try:
         config = read_config(config_arg, overrides)
     except (ValueError, OSError) as exc:

@@ -29,7 +29,7 @@ import json
 import os
 import sys
 
-from k3rl.model.params import count_parameters  # noqa: F401  (also `from model.cli import count_parameters`)
+from k3rl.model.params import count_parameters  # noqa: F401  (also `from rl.commands.model_tools import count_parameters`)
 
 
 def _human(n: int) -> str:
@@ -89,10 +89,12 @@ def init_main(argv: list[str]) -> int:
     config = _load("k3rl init", args.config, args.overrides)
     if config is None:
         return 2
+    from k3rl.envs.registry import tokenizer_texts
     from k3rl.model.init import init_model
 
     try:
-        result = init_model(config, args.out_dir, seed=args.seed, tokenizer=not args.no_tokenizer)
+        texts = None if args.no_tokenizer else tokenizer_texts()
+        result = init_model(config, args.out_dir, seed=args.seed, tokenizer_texts=texts)
     except ValueError as e:
         print(f"k3rl init: {e}", file=sys.stderr)
         return 2

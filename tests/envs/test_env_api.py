@@ -9,6 +9,7 @@ import pytest
 
 from k3rl.envs import Budget, Env, Episode, format_call, register, registry, run_episode, tool
 from k3rl.envs.base import approx_token_count, as_token_counter, last_observation
+from k3rl.rl.commands.envs import main as envs_command
 
 
 class Guess(Env):
@@ -191,7 +192,7 @@ def test_registry_register_make_list(capsys):
         names = [e.name for e in registry.list_envs()]
         for expected in ("search", "needle", "multihop", "aggregate", "ith", "test-guess"):
             assert expected in names
-        assert registry.main([]) == 0
+        assert envs_command([]) == 0
         out = capsys.readouterr().out.splitlines()
         assert any(line.startswith("search ") for line in out)
         assert any(line.startswith("test-guess") and "Find a secret number" in line for line in out)
@@ -213,7 +214,7 @@ def test_readme_example_is_what_the_readme_shows():
         exec(compile(code, "envs/README.md", "exec"), namespace)
         env = registry.make("guess")
         assert run_episode(env, {"secret": 42}, bisect).reward == 1.0
-        assert registry.main([]) == 0
+        assert envs_command([]) == 0
     finally:
         registry._REGISTRY.pop("guess", None)
 

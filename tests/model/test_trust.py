@@ -132,9 +132,10 @@ def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
 
 
 def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
-    from k3rl.rl.commands import pretrain, sft
+    from k3rl.rl.commands import pretrain
     from k3rl.rl.config import ConfigError, JobConfig, load_config
     from k3rl.rl.eval.runners import ModelRunner, check_evaluated
+    from k3rl.rl.orchestrator import sft
     from k3rl.rl.orchestrator.trainer import Trainer
 
     d, markers = evil
@@ -188,6 +189,7 @@ def test_a_ray_rollout_worker_gets_the_setting_from_its_spec(ray_cluster, evil):
 
 
 def test_k3rl_own_directories_need_no_opt_in(tmp_path):
+    from k3rl.envs.registry import tokenizer_texts
     from k3rl.model.config import K3Config
     from k3rl.model.init import init_model
     from k3rl.model.policy import load_policy
@@ -198,7 +200,7 @@ def test_k3rl_own_directories_need_no_opt_in(tmp_path):
                                                          "model.linear_attn_config.kda_layers=[1]",
                                                          "model.linear_attn_config.full_attn_layers=[2]"], JobConfig)
     out = tmp_path / "own"
-    init_model(K3Config.from_model_config(cfg.model), out, seed=0)
+    init_model(K3Config.from_model_config(cfg.model), out, seed=0, tokenizer_texts=tokenizer_texts())
     assert json.loads((out / "config.json").read_text())["auto_map"]  # k3rl's model/formats/remote/ copies
     assert remote_code_requests(out) == []
     assert load_tokenizer(out).eos_token == "<|im_end|>"

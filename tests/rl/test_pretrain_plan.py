@@ -1,4 +1,4 @@
-"""rl/pretrain/plan.py: the plan of a staged pretraining run against what a real learner step holds.
+"""rl/pretrain/plan.py: the plan of a staged pretraining run against what a real learner step holds (rl/pretrain/measure.py).
 
 The activation memory the plan predicts for one micro-batch is compared with `measure_step_memory` (the peak of the
 bytes autograd saves for backward during a real `Learner.train_step`, plus the states rl/train/segments.py keeps) on a
@@ -32,7 +32,7 @@ def tiny_dir(tmp_path_factory):
     from k3rl.rl.config import load_model_config
 
     out = tmp_path_factory.mktemp("plan") / "tiny"
-    init_model(load_model_config(REPO / "configs/model/tiny.yaml", TINY), out, seed=0, tokenizer=False)
+    init_model(load_model_config(REPO / "configs/model/tiny.yaml", TINY), out, seed=0)
     return out
 
 
@@ -53,7 +53,7 @@ def _rows(seq_len: int, rows: int, seed: int = 0):
 
 
 def _measure(model_dir, seq_len: int, rows: int, segment: int | None) -> dict:
-    from k3rl.rl.pretrain.plan import measure_step_memory
+    from k3rl.rl.pretrain.measure import measure_step_memory
 
     key = (seq_len, rows, segment)
     if key not in _measured:
@@ -105,7 +105,7 @@ def test_optimizer_memory_matches_the_learners_states(tiny_dir):
 
     # Muon: one momentum for the hidden matrices, AdamW for the rest
     learner = _learner(tiny_dir, 64, 1, None, optimizer="muon")
-    from k3rl.rl.pretrain.plan import measure_step_memory
+    from k3rl.rl.pretrain.measure import measure_step_memory
 
     muon = measure_step_memory(learner, _rows(64, 1))
     predicted = _plan(config, 64, 1, None, optimizer="muon")
@@ -149,7 +149,8 @@ def test_reference_plan_2p8t_on_the_meta_device():
     import k3rl.model.modeling  # noqa: F401  (imports are not what is timed)
     from k3rl.model.config import K3Config
     from k3rl.rl.config import load_config
-    from k3rl.rl.pretrain.plan import GPUS, format_plan, parameter_summary, plan
+    from k3rl.rl.pretrain.param_memory import parameter_summary
+    from k3rl.rl.pretrain.plan import GPUS, format_plan, plan
 
     cfg = load_config(REPO / "configs/pretrain/staged.yaml")
     config = K3Config.from_model_config(cfg.model)

@@ -36,10 +36,11 @@ LONGCTX_ARGS = {"serve": "search", "length": 2000}  # aggregate tasks need up to
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from k3rl.envs.registry import tokenizer_texts
     from k3rl.model.init import train_builtin_tokenizer
     from k3rl.rl.config import load_model_config
 
-    return train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"))
+    return train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"), tokenizer_texts())
 
 
 def payloads(tok) -> list[str]:

@@ -27,10 +27,11 @@ def tokenizer(request, tiny_qwen3_dir):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    from k3rl.envs.registry import tokenizer_texts
     from k3rl.model.init import train_builtin_tokenizer
     from k3rl.rl.config import load_model_config
 
-    return train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"))
+    return train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"), tokenizer_texts())
 
 
 def payload(tok) -> str:

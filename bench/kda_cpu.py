@@ -1,4 +1,4 @@
-"""KDA on the CPU: chunked form (`chunk_kda`) against the per-token recurrence (`naive_recurrent_kda`).
+"""KDA on the CPU: chunked form (`chunk_kda_torch`) against the per-token recurrence (`naive_recurrent_kda`).
 
 Same math, float32, B = 1, H = 4, K = V = 128, T ∈ {1024, 4096, 16384}, forward only (inference mode).
 Inputs look like a K3 KDA layer's: q, k L2-normalised in the kernel, β = σ(N(0, 1)), and the lower-bound gate
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from k3rl.kernels.kda import kda_gate, naive_recurrent_kda  # noqa: E402
-from k3rl.kernels.kda.chunk import chunk_kda  # noqa: E402
+from k3rl.kernels.kda.chunk import chunk_kda_torch  # noqa: E402
 
 B, H, D, C = 1, 4, 128, 64
 LOWER_BOUND = -5.0
@@ -89,7 +89,7 @@ def run(lengths: list[int], repeats: int) -> list[dict]:
     rows = []
     for T in lengths:
         inputs = make_inputs(T)
-        chunk_s = best_time(lambda: chunk_kda(*inputs, **kw), repeats)
+        chunk_s = best_time(lambda: chunk_kda_torch(*inputs, **kw), repeats)
         row = dict(T=T, chunk_ms=chunk_s * 1e3, naive_ms=None, checked_on=T)
         if naive_everywhere:
             # best of two: a single long run is easily hit by another process on a small machine
@@ -99,12 +99,12 @@ def run(lengths: list[int], repeats: int) -> list[dict]:
                 o_ref, _ = naive_recurrent_kda(*inputs, **kw)
                 times.append(time.perf_counter() - start)
             row["naive_ms"] = min(times) * 1e3
-            o, _ = chunk_kda(*inputs, **kw)
+            o, _ = chunk_kda_torch(*inputs, **kw)
         else:
             row["checked_on"] = min(T, 1024)
             prefix = [x[:, : row["checked_on"]] for x in inputs]
             o_ref, _ = naive_recurrent_kda(*prefix, **kw)
-            o, _ = chunk_kda(*prefix, **kw)
+            o, _ = chunk_kda_torch(*prefix, **kw)
         row["err"] = rel_err(o, o_ref)
         row["ok"] = row["err"] < AGREE_TOL
         model_flops = flops_per_token_head() * T * H * B

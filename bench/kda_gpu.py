@@ -1,17 +1,17 @@
 """KDA on a CUDA GPU: correctness first, then the time of the chunked op (training/prefill) and the decode step.
 
 Paths compared, on the same inputs:
-- torch: the PyTorch chunked path `kernels.kda.chunk.chunk_kda` (the gate by `kda_gate` before it);
-- ours: `kernels.kda.kda_chunk`, the dispatch entry point, which takes the Triton kernels
+- torch: the PyTorch chunked path `kernels.kda.chunk.chunk_kda_torch` (the gate by `kda_gate` before it);
+- ours: `kernels.kda.chunk_kda`, the dispatch entry point, which takes the Triton kernels
   (kernels/kda/chunk_triton.py) on CUDA tensors unless K3RL_DISABLE_TRITON=1; the gate fused (`FusedGate`);
 - fla: flash-linear-attention's `fla.ops.kda.chunk_kda`, if importable, the gate fused in its kernel
   (`use_gate_in_kernel=True`; with the bound, `lower_bound=-5, safe_gate=True`), whichever of those arguments its
   version has (the gate is computed outside when it lacks them, and the table says so).
 Decode step (T = 1, 64 sequences): our Triton `fused_recurrent_kda_triton` (returned state, and the engine's
-in-place state pool) against the PyTorch `fused_recurrent_kda` and, if present, fla's `fused_recurrent_kda`.
+in-place state pool) against the PyTorch `fused_recurrent_kda_torch` and, if present, fla's `fused_recurrent_kda`.
 
 1. Check (B = 1, T = 1000, H = 4, d = 64; fp32 and bf16 inputs; both gate forms and a plain g tensor): each path's
-   output and the gradients of q, k, v, g (or f, A_log, dt_bias), β against `chunk_kda` in float64 on the same
+   output and the gradients of q, k, v, g (or f, A_log, dt_bias), β against `chunk_kda_torch` in float64 on the same
    (rounded) inputs, q/k L2-normalised in the kernel as the K3 layer runs it. Relative errors
    ‖x − ref‖/‖ref‖ under: fp32 5e-3 (Triton's tl.dot on fp32 tiles may run in TF32, 2^-11), bf16 1e-2 for the
    output (rounded to bf16) and 2e-2 for gradients, 5× those for dA_log and d dt_bias (sums over every token of
@@ -37,7 +37,7 @@ in-place state pool) against the PyTorch `fused_recurrent_kda` and, if present, 
                                                  # checks this script, its times mean nothing
 
 Writes bench/out/kda_gpu.json and bench/out/kda_gpu.md (the tables). Without CUDA it says so and exits 0.
-Exit status 1 if our kernels fail a check or `kda_chunk` cannot be imported (the rest still runs and is written).
+Exit status 1 if our kernels fail a check or `chunk_kda` cannot be imported (the rest still runs and is written).
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from k3rl.kernels.kda.chunk import chunk_kda  # noqa: E402
+from k3rl.kernels.kda.chunk import chunk_kda_torch  # noqa: E402
 from k3rl.kernels.kda.gate import FusedGate, kda_gate  # noqa: E402
 from k3rl.kernels.kda.naive import naive_recurrent_kda  # noqa: E402
-from k3rl.kernels.kda.recurrent import fused_recurrent_kda  # noqa: E402
+from k3rl.kernels.kda.recurrent import fused_recurrent_kda_torch  # noqa: E402
 
 LOWER_BOUND = -5.0
 GATES = {"lb": LOWER_BOUND, "softplus": None}  # the two fused forms; "tensor" (g given) is checked only
@@ -123,13 +123,13 @@ def leaves_of(gate: str) -> tuple[str, ...]:
 
 def torch_chunk(x, gate):
     g = x["g"] if gate == "tensor" else kda_gate(x["f"], x["A_log"], x["dt_bias"], GATES[gate])
-    return chunk_kda(x["q"], x["k"], x["v"], g, x["beta"], use_qk_l2norm_in_kernel=True)[0]
+    return chunk_kda_torch(x["q"], x["k"], x["v"], g, x["beta"], use_qk_l2norm_in_kernel=True)[0]
 
 
-def make_ours_chunk(kda_chunk):
+def make_ours_chunk(chunk_kda):
     def run(x, gate):
         g = x["g"] if gate == "tensor" else FusedGate(x["f"], x["A_log"], x["dt_bias"], GATES[gate])
-        return kda_chunk(x["q"], x["k"], x["v"], g, x["beta"], use_qk_l2norm_in_kernel=True)[0]
+        return chunk_kda(x["q"], x["k"], x["v"], g, x["beta"], use_qk_l2norm_in_kernel=True)[0]
     return run
 
 
@@ -164,19 +164,19 @@ def make_fla_chunk(fla_chunk):
 
 def load_ours():
     try:
-        from k3rl.kernels.kda import kda_chunk
+        from k3rl.kernels.kda import chunk_kda
     except ImportError as e:
-        return None, f"kernels.kda.kda_chunk is not importable ({e})"
+        return None, f"kernels.kda.chunk_kda is not importable ({e})"
     if DEVICE == "cuda":
-        # kda_chunk imports its Triton module at the first CUDA call; find out now whether it is there
+        # chunk_kda imports its Triton module at the first CUDA call; find out now whether it is there
         try:
             import k3rl.kernels.kda.chunk_triton  # noqa: F401
         except ImportError as e:
             present = (ROOT / "kernels/kda/chunk_triton.py").exists()
             return None, f"kernels/kda/chunk_triton.py {'fails to import' if present else 'is missing'} ({e})"
     if os.environ.get("K3RL_DISABLE_TRITON") == "1":
-        print("WARNING: K3RL_DISABLE_TRITON=1: kda_chunk runs its PyTorch path, 'ours' is not the Triton kernel")
-    return kda_chunk, None
+        print("WARNING: K3RL_DISABLE_TRITON=1: chunk_kda runs its PyTorch path, 'ours' is not the Triton kernel")
+    return chunk_kda, None
 
 
 def load_fla():
@@ -338,7 +338,7 @@ def decode_paths(fla_recurrent):
 
     def torch_rec(x):
         g = kda_gate(x["f"], x["A_log"], x["dt_bias"], LOWER_BOUND)
-        return fused_recurrent_kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"],
+        return fused_recurrent_kda_torch(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"],
                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     def ours(x):
@@ -518,12 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU {name}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"bandwidth for the floors {bw / 1e12:.3g} TB/s ({bw_source}); measured copy {bw_measured / 1e12:.3g} TB/s")
 
-    kda_chunk, ours_missing = load_ours()
+    chunk_kda, ours_missing = load_ours()
     fla_chunk, fla_recurrent, fla_version, fla_missing = load_fla()
     print(f"fla: {fla_missing or 'version ' + fla_version}")
     paths = {"torch": (torch_chunk, "")}
-    if kda_chunk is not None:
-        paths["ours"] = (make_ours_chunk(kda_chunk), "")
+    if chunk_kda is not None:
+        paths["ours"] = (make_ours_chunk(chunk_kda), "")
     else:
         print(f"ours: MISSING — {ours_missing}")
     if fla_chunk is not None:
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 checks.append(c)
                 passed[(path, gate)] = passed.get((path, gate), True) and c["ok"]
                 free_memory()
-    print(f"\nChecks (chunked op vs chunk_kda in float64, B=1 T={CHECK_SHAPE['T']} H={CHECK_SHAPE['H']} "
+    print(f"\nChecks (chunked op vs chunk_kda_torch in float64, B=1 T={CHECK_SHAPE['T']} H={CHECK_SHAPE['H']} "
           f"d={CHECK_SHAPE['D']}):")
     print(check_table(checks))
 

@@ -51,8 +51,8 @@ SEED = 0
 
 
 def load(config: str):
-    from k3rl.rl.commands.pretrain import model_config
     from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.pretrain.climb import model_config
 
     cfg = load_config(config, [], JobConfig)
     return cfg, model_config(cfg)
@@ -61,14 +61,14 @@ def load(config: str):
 def stores_of(cfg, tokenizer) -> dict:
     """Every source's token cache (built now if missing: the children then only open it)."""
     from k3rl.envs.sources import data_dir
-    from k3rl.rl.commands.pretrain import sources_of
+    from k3rl.rl.pretrain.climb import sources_of
     from k3rl.rl.pretrain.data import build_store
 
     return {name: build_store(name, src, tokenizer, data_dir() / "pretrain") for name, src in sources_of(cfg).items()}
 
 
 def packed_rows(cfg, stores: dict, index: int, seq_len: int):
-    """The driver's rows of stage `index` (rl/commands/pretrain.py `Climb.run_stage`), at `seq_len` tokens, seed 0."""
+    """The driver's rows of stage `index` (rl/pretrain/climb.py `Climb.run_stage`), at `seq_len` tokens, seed 0."""
     from k3rl.rl.pretrain import stages as st
     from k3rl.rl.pretrain.data import PackedRows
 

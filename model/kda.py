@@ -10,7 +10,7 @@
 
 The gate is full rank (`g_proj`, K3) or low rank (`g_a_proj`→`g_b_proj`, Kimi-Linear) per
 `use_full_rank_gate`. The layer owns the parameters; the math lives in `kernels/kda` (delta rule,
-gate; `kda_chunk` / `kda_recurrent` pick Triton on CUDA, PyTorch elsewhere) and `kernels/short_conv`
+gate; `chunk_kda` / `fused_recurrent_kda` pick Triton on CUDA, PyTorch elsewhere) and `kernels/short_conv`
 (conv with decode state). `A_log`, `dt_bias` and the conv
 weights stay fp32 under `model.to(bf16)` (spec §13.2); the gate is computed in ≥ fp32.
 Left-padding tokens (`StepInfo.valid`) enter as zero inputs, which leaves conv and recurrent
@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from k3rl.kernels.kda import FusedGate, kda_chunk, kda_recurrent
+from k3rl.kernels.kda import FusedGate, chunk_kda, fused_recurrent_kda
 from k3rl.kernels.short_conv import causal_conv1d
 from k3rl.model.cache import StepInfo
 
@@ -141,7 +141,7 @@ class KimiDeltaAttention(nn.Module):
         initial = cache.recurrent[self.layer_idx] if cache is not None else None  # [B, H, K, V]
 
         # Recurrent for a one-token decode step, chunked for training and prefill.
-        kda = kda_recurrent if T == 1 and cu is None else kda_chunk
+        kda = fused_recurrent_kda if T == 1 and cu is None else chunk_kda
         varlen = {} if cu is None else {"cu_seqlens": cu}
         o, final = kda(q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, H, K), gate_in,
                        beta.view(*rows, H), scale=K ** -0.5, initial_state=initial,

@@ -59,7 +59,7 @@ def _decay(x: torch.Tensor) -> torch.Tensor:
     return x.clamp_min(EXP_FLOOR[x.dtype]).exp()
 
 
-def chunk_kda(
+def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -1,5 +1,5 @@
 """Chunked KDA on the Triton kernels, with autograd: `chunk_kda_triton`, same contract as kernels/kda/chunk.py
-`chunk_kda` (docs/model_spec.md §5.5).
+`chunk_kda_torch` (docs/model_spec.md §5.5).
 
 q/k L2 norm and the q scale are done here in PyTorch (`prepare_qk`, so autograd differentiates them) and
 the prepared q, k are cast back to the input dtype before the kernels, as fla's l2norm kernel returns them.
@@ -12,7 +12,7 @@ gate, `gate_bwd`.
 A `FusedGate` in place of g computes the gate inside the cumsum kernel; with its lower bound set the
 diagonal 16×16 tiles are plain matmuls (§5.7), otherwise the exact token-pair path. A plain g tensor takes
 the token-pair path (nothing bounds its decays). Float64 is refused (the kernels compute in fp32; the
-PyTorch `chunk_kda` is the float64 path).
+PyTorch `chunk_kda_torch` is the float64 path).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def chunk_kda_triton(
         g_in, A_log, dt_bias, lb = g, None, None, None
     check_inputs(q, k, v, g_in, beta, initial_state, cu_seqlens)
     if q.dtype == torch.float64:
-        raise TypeError("chunk_kda_triton computes in fp32; use kernels.kda.chunk.chunk_kda for float64")
+        raise TypeError("chunk_kda_triton computes in fp32; use kernels.kda.chunk.chunk_kda_torch for float64")
     dtype = q.dtype
     q, k = prepare_qk(q, k, scale, use_qk_l2norm_in_kernel, torch.float32)
     q, k = q.to(dtype), k.to(dtype)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 class FusedGate:
     """The raw gate inputs, passed to a KDA op in place of g so the op computes g itself (in-kernel on GPU).
 
-    `kda_chunk(q, k, v, FusedGate(f, A_log, dt_bias, lb), beta)` equals
-    `kda_chunk(q, k, v, kda_gate(f, A_log, dt_bias, lb), beta)`, with gradients for f, A_log and dt_bias.
+    `chunk_kda(q, k, v, FusedGate(f, A_log, dt_bias, lb), beta)` equals
+    `chunk_kda(q, k, v, kda_gate(f, A_log, dt_bias, lb), beta)`, with gradients for f, A_log and dt_bias.
     With `lower_bound` set, the chunked Triton kernel factors its diagonal tiles by plain matmuls (§5.7).
     """
 

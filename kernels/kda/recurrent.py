@@ -14,7 +14,7 @@ import torch
 from k3rl.kernels.kda.utils import check_inputs, compute_dtype, pack_to_padded, padded_to_packed, prepare_qk, varlen_index
 
 
-def fused_recurrent_kda(
+def fused_recurrent_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -38,7 +38,7 @@ class DataSource:
 
 @dataclass
 class StageConfig:
-    """One stage of the staged context climb (8K → 64K → 256K → 1M); rl/commands/pretrain.py."""
+    """One stage of the staged context climb (8K → 64K → 256K → 1M); rl/pretrain/climb.py."""
 
     seq_len: int = 8192
     """Tokens per packed row (documents packed to this length, their boundaries respected)."""
@@ -81,7 +81,7 @@ class PlanConfig:
 
 @dataclass
 class PretrainConfig:
-    """Staged pretraining of the backbone (`k3rl pretrain`, rl/commands/pretrain.py)."""
+    """Staged pretraining of the backbone (`k3rl pretrain`, rl/pretrain/climb.py)."""
 
     model_dir: Optional[str] = None
     """Hugging Face directory to start from; null: a random model from the `model:` section."""

@@ -7,7 +7,7 @@
 * `plot_stage_loss`: a stage's training loss and learning rate against its steps (`loss.png`).
 * `plot_position_loss`: loss by position bucket at each stage's start and end, all stages (`position_loss.png`).
 * `plot_score_by_length`: the retrieval grid's success by length after each stage (`score_by_length.png`, from
-  each stage's `eval/results.json`, rl/commands/eval.py).
+  each stage's `eval/results.json`, rl/eval/grid.py).
 """
 
 from __future__ import annotations

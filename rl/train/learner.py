@@ -134,7 +134,7 @@ class LearnerConfig(LearnerSettings):
     """`cpu`, `cuda` (the GPU Ray gives the actor), or `cuda:<i>`."""
     seed: int = 0
     rope_theta: Optional[float] = None
-    """RoPE base of the model's MLA layers from now on (a staged pretraining stage, rl/commands/pretrain.py; saved with
+    """RoPE base of the model's MLA layers from now on (a staged pretraining stage, rl/pretrain/climb.py; saved with
     the model's config); null: the model's own. Only a K3 model with `mla_use_nope: false` takes one."""
 
     def __post_init__(self):

@@ -3,7 +3,7 @@
 Outputs, final states and the gradients w.r.t. q, k, v, g, beta and the initial state are compared by
 relative error, over odd lengths (T not a multiple of 64 or 16, T < 16), both gate forms of §5.2 made by
 `kda_gate` from random inputs, strong decays (near the lower bound, and unbounded ones large enough to
-send `chunk_kda` down its pairwise diagonal-tile path), packed variable-length sequences, a prefill that
+send `chunk_kda_torch` down its pairwise diagonal-tile path), packed variable-length sequences, a prefill that
 hands its state to token-by-token decode, bf16 inputs, and NaN-poisoned fresh memory.
 """
 
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import k3rl.kernels.kda.chunk as chunk_module
 from k3rl.kernels.kda import kda_gate, naive_recurrent_kda
-from k3rl.kernels.kda.chunk import chunk_kda
-from k3rl.kernels.kda.recurrent import fused_recurrent_kda
+from k3rl.kernels.kda.chunk import chunk_kda_torch
+from k3rl.kernels.kda.recurrent import fused_recurrent_kda_torch
 
 F64 = torch.float64
 LENGTHS = [1, 7, 16, 63, 64, 65, 130, 257]
@@ -107,24 +107,24 @@ def assert_matches_naive(fn, B, T, H, K, V, gate, with_h0, seed, tol=1e-10, **kw
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("T", LENGTHS)
 def test_chunk(T, gate, with_h0):
-    assert_matches_naive(chunk_kda, 2, T, 3, 16, 32, gate, with_h0, seed=1000 + T)
+    assert_matches_naive(chunk_kda_torch, 2, T, 3, 16, 32, gate, with_h0, seed=1000 + T)
 
 
 @pytest.mark.parametrize("with_h0", [False, True])
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("T", [1, 7, 64, 130])
 def test_recurrent(T, gate, with_h0):
-    assert_matches_naive(fused_recurrent_kda, 2, T, 3, 16, 32, gate, with_h0, seed=2000 + T)
+    assert_matches_naive(fused_recurrent_kda_torch, 2, T, 3, 16, 32, gate, with_h0, seed=2000 + T)
 
 
 @pytest.mark.parametrize("B, H, K, V", [(1, 1, 32, 16), (2, 2, 16, 16), (1, 2, 64, 48)])
 @pytest.mark.parametrize("T", [33, 129])
 def test_chunk_head_dims(B, H, K, V, T):
-    assert_matches_naive(chunk_kda, B, T, H, K, V, "bounded", True, seed=3000 + K + V + T)
-    assert_matches_naive(fused_recurrent_kda, B, T, H, K, V, "softplus", True, seed=3100 + K + V + T)
+    assert_matches_naive(chunk_kda_torch, B, T, H, K, V, "bounded", True, seed=3000 + K + V + T)
+    assert_matches_naive(fused_recurrent_kda_torch, B, T, H, K, V, "softplus", True, seed=3100 + K + V + T)
 
 
-@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+@pytest.mark.parametrize("fn", [chunk_kda_torch, fused_recurrent_kda_torch])
 def test_l2norm_in_kernel_and_scale(fn):
     """use_qk_l2norm_in_kernel = the spec's q/sqrt(Σq² + 1e-6) (same for k) before the scale (§5.1)."""
     q, k, v, g, beta = make_inputs(2, 70, 2, 16, 16, "bounded", seed=7, l2_in_kernel=True)
@@ -155,15 +155,15 @@ def test_chunk_segments(segment_chunks, monkeypatch):
     """Long inputs run in segments carrying the state: force segments of 1 and 2 chunks."""
     B, H = 2, 3
     monkeypatch.setattr(chunk_module, "SEGMENT_TOKENS", segment_chunks * chunk_module.CHUNK_SIZE * B * H)
-    assert_matches_naive(chunk_kda, B, 257, H, 16, 32, "bounded", True, seed=30 + segment_chunks)
-    assert_matches_naive(chunk_kda, B, 150, H, 16, 16, "softplus_strong", False, seed=40 + segment_chunks)
+    assert_matches_naive(chunk_kda_torch, B, 257, H, 16, 32, "bounded", True, seed=30 + segment_chunks)
+    assert_matches_naive(chunk_kda_torch, B, 150, H, 16, 16, "softplus_strong", False, seed=40 + segment_chunks)
 
 
 def test_chunk_pairwise_path_everywhere(monkeypatch):
     """SAFE_SPAN = 0 sends every diagonal tile through the exact pairwise path (the unbounded-gate fallback)."""
     monkeypatch.setitem(chunk_module.SAFE_SPAN, F64, 0.0)
-    assert_matches_naive(chunk_kda, 2, 100, 2, 16, 16, "softplus", True, seed=12)
-    assert_matches_naive(chunk_kda, 1, 40, 2, 16, 16, "bounded", False, seed=13)
+    assert_matches_naive(chunk_kda_torch, 2, 100, 2, 16, 16, "softplus", True, seed=12)
+    assert_matches_naive(chunk_kda_torch, 1, 40, 2, 16, 16, "bounded", False, seed=13)
 
 
 @pytest.mark.parametrize("strong_half", ["first", "second"])
@@ -179,7 +179,7 @@ def test_chunk_one_sided_tile_decay(strong_half, dtype):
     h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(32), dtype=F64)
     o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, (q, k, v, g, beta), h0, seed=33)
     leaves = [x.to(dtype) for x in (q, k, v, g, beta)]
-    o, s, grads = run_with_grads(chunk_kda, leaves, h0.to(dtype), seed=33)
+    o, s, grads = run_with_grads(chunk_kda_torch, leaves, h0.to(dtype), seed=33)
     tol = 1e-10 if dtype == F64 else 1e-4
     assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
     for grad, ref in zip(grads, g_ref):
@@ -196,7 +196,7 @@ def test_chunk_bounded_gate_needs_no_safe_path(dtype, monkeypatch):
     monkeypatch.setattr(chunk_module, "_intra_chunk_safe", refuse)
     q, k, v, g, beta = make_inputs(1, 192, 2, 32, 32, "bounded_strong", seed=29)
     assert g.min() < -4.99
-    o, _ = chunk_kda(q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta.to(dtype))
+    o, _ = chunk_kda_torch(q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta.to(dtype))
     assert torch.isfinite(o).all()
 
 
@@ -217,7 +217,7 @@ def varlen_reference(inputs, cu, h0, **kwargs):
     return torch.cat(outs, dim=1), torch.cat(states, dim=0)
 
 
-@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+@pytest.mark.parametrize("fn", [chunk_kda_torch, fused_recurrent_kda_torch])
 @pytest.mark.parametrize("gate, l2", [("bounded", False), ("softplus_strong", False), ("softplus", True)])
 def test_chunk_varlen(fn, gate, l2):
     """Packed sequences (cu_seqlens) equal separate runs, with per-sequence initial and final states
@@ -258,19 +258,19 @@ def test_prefill_then_decode(split):
     def seg(a, b):
         return [x[:, a:b] for x in (q, k, v, g, beta)]
 
-    o_pre, state = chunk_kda(*seg(0, split), initial_state=h0, output_final_state=True)
+    o_pre, state = chunk_kda_torch(*seg(0, split), initial_state=h0, output_final_state=True)
     outs = [o_pre]
     for t in range(split, T):
-        o_t, state = fused_recurrent_kda(*seg(t, t + 1), initial_state=state, output_final_state=True)
+        o_t, state = fused_recurrent_kda_torch(*seg(t, t + 1), initial_state=state, output_final_state=True)
         outs.append(o_t)
     assert rel_err(torch.cat(outs, dim=1), o_ref) < 1e-10 and rel_err(state, s_ref) < 1e-10
 
-    o1, s1 = chunk_kda(*seg(0, split), initial_state=h0, output_final_state=True)
-    o2, s2 = chunk_kda(*seg(split, T), initial_state=s1, output_final_state=True)
+    o1, s1 = chunk_kda_torch(*seg(0, split), initial_state=h0, output_final_state=True)
+    o2, s2 = chunk_kda_torch(*seg(split, T), initial_state=s1, output_final_state=True)
     assert rel_err(torch.cat([o1, o2], dim=1), o_ref) < 1e-10 and rel_err(s2, s_ref) < 1e-10
 
 
-@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+@pytest.mark.parametrize("fn", [chunk_kda_torch, fused_recurrent_kda_torch])
 @pytest.mark.parametrize("gate", ["bounded_strong", "softplus"])
 def test_bf16(fn, gate):
     """bf16 inputs: finite, bf16 output, fp32 state, close to float64 on the same (rounded) inputs."""
@@ -293,7 +293,7 @@ def test_chunk_fp32_strong_decays(gate):
     h0 = torch.randn(1, 2, 32, 32, generator=torch.Generator().manual_seed(22), dtype=F64)
     o_ref, s_ref = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
     leaves = [x.float().requires_grad_() for x in inputs]
-    o, s = chunk_kda(*leaves, initial_state=h0.float(), output_final_state=True)
+    o, s = chunk_kda_torch(*leaves, initial_state=h0.float(), output_final_state=True)
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
     (o.sum() + s.sum()).backward()
     for x in leaves:
@@ -308,7 +308,7 @@ def test_nan_poison(T):
         inputs = make_inputs(2, T, 2, 16, 16, gate, seed=23 + T)
         h0 = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(24), dtype=F64)
         o_ref, s_ref = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
-        for fn in (chunk_kda, fused_recurrent_kda):
+        for fn in (chunk_kda_torch, fused_recurrent_kda_torch):
             for x in [inputs, [t.float() for t in inputs]]:
                 o, s = fn(*x, initial_state=h0.to(x[0].dtype), output_final_state=True)
                 assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -320,20 +320,20 @@ def test_nan_poison(T):
 def test_empty_sequence():
     q, k, v, g, beta = make_inputs(1, 0, 2, 8, 8, "bounded", seed=25)
     h0 = torch.randn(1, 2, 8, 8, dtype=F64)
-    for fn in (chunk_kda, fused_recurrent_kda, naive_recurrent_kda):
+    for fn in (chunk_kda_torch, fused_recurrent_kda_torch, naive_recurrent_kda):
         o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         assert o.shape == (1, 0, 2, 8) and torch.equal(s, h0)
 
 
 def test_bad_shapes_raise():
     q, k, v, g, beta = make_inputs(1, 10, 2, 8, 8, "bounded", seed=26)
-    for fn in (chunk_kda, fused_recurrent_kda, naive_recurrent_kda):
+    for fn in (chunk_kda_torch, fused_recurrent_kda_torch, naive_recurrent_kda):
         with pytest.raises(ValueError, match="beta"):
             fn(q, k, v, g, beta[..., :1])
         with pytest.raises(ValueError, match="initial_state"):
             fn(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 4, dtype=F64))
     with pytest.raises(ValueError, match="cu_seqlens"):
-        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 9]))
+        chunk_kda_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 9]))
 
 
 def test_gate_formulas():
@@ -369,7 +369,7 @@ def test_gate_lower_bound_range(lb):
 def test_chunk_varlen_all_empty():
     q, k, v, g, beta = make_inputs(1, 0, 2, 8, 8, "bounded", seed=28)
     h0 = torch.randn(3, 2, 8, 8, dtype=F64)
-    for fn in (chunk_kda, fused_recurrent_kda):
+    for fn in (chunk_kda_torch, fused_recurrent_kda_torch):
         cu = torch.zeros(4, dtype=torch.long)
         o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         assert o.shape == (1, 0, 2, 8) and torch.equal(s, h0)
@@ -414,7 +414,7 @@ def test_chunk_mixed_decays_in_one_tile(dtype):
     h0 = torch.randn(B, H, K, V, generator=gen, dtype=F64)
     inputs = (q, k, v, g, beta)
     o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, inputs, h0, seed=73)
-    o, s, grads = run_with_grads(chunk_kda, [x.to(dtype) for x in inputs], h0.float(), seed=73)
+    o, s, grads = run_with_grads(chunk_kda_torch, [x.to(dtype) for x in inputs], h0.float(), seed=73)
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # fp32 compute; bf16 inputs are rounded (2^-8 relative)
     if dtype == torch.bfloat16:  # the reference sees the rounded inputs too
         o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, [x.to(dtype).double() for x in inputs], h0, seed=73)
@@ -433,7 +433,7 @@ def test_chunk_tile_span_just_below_safe_span(strong):
     pos = torch.arange(T) % 16
     g = torch.where((pos == 9) | (pos == 10), -strong / 2, -0.01).to(F64).view(1, T, 1, 1).expand(B, T, H, K)
     o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, (q, k, v, g, beta), None, seed=75)
-    o, s, grads = run_with_grads(chunk_kda, [x.float() for x in (q, k, v, g, beta)], None, seed=75)
+    o, s, grads = run_with_grads(chunk_kda_torch, [x.float() for x in (q, k, v, g, beta)], None, seed=75)
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
     for grad, ref in zip(grads, g_ref):
         assert torch.isfinite(grad).all() and rel_err(grad, ref, atol=1e-6) < 1e-4

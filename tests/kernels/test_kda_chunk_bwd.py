@@ -11,7 +11,7 @@ kernels/kda/chunk_bwd_inter.py), and every gradient is compared by relative erro
   −30-nat decays (Γ ≈ −1000 over a chunk): Γ is an fp32 intermediate and fp32's spacing at |Γ| = 1000 is 6e-5
   nats, a relative error of every decay e^{Γ_t − Γ_j} (measured 1e-5; the per-token recurrence in fp32 has
   1e-7 because it never forms Γ); decays at the bound −5 (Γ = −5t is exact): ‖dg‖ is ~1e-3 of ‖dq‖ and dg
-  is a reverse cumsum of terms that cancel (measured 2.5e-5; the PyTorch chunk_kda has 1.7e-5 there).
+  is a reverse cumsum of terms that cancel (measured 2.5e-5; the PyTorch chunk_kda_torch has 1.7e-5 there).
 The fixture in tests/kernels/conftest.py NaN-poisons fresh memory, so an element a kernel does not write fails.
 """
 
@@ -204,7 +204,7 @@ def test_chunk_bwd_varlen(safe_gate, diag_paths):
 
 def test_chunk_bwd_strong_and_weak_decays_in_one_tile():
     """The issue's case: unbounded gate, every 16-token tile mixes −30-nat and −0.01-nat decays. The token-pair
-    path never forms e^{positive}; dg is finite and right (the PyTorch chunk_kda backward returns NaN here)."""
+    path never forms e^{positive}; dg is finite and right (the PyTorch chunk_kda_torch backward returns NaN here)."""
     check_bwd(1, 100, 1, 16, 16, "mixed", with_h0=True, with_dht=True, safe_gate=False, tol=TOL_DEEP,
               exact_inter=True)
 

@@ -14,7 +14,7 @@ sums of ≤ 64 products and a 64×64 triangular solve in fp32, unit round-off 6e
 3e-2 on o (q, k, v, β rounded to bf16 on the way in, o rounded on the way out: 2^-8 ≈ 4e-3 per element).
 The −30/−0.01 mix gets MIXED_TOL = 1e-4: Γ is stored as an fp32 chunk-local cumsum (the contract's layout, as
 fla's), and with 30-nat decays |Γ| reaches ~10³ nats inside a chunk, so Γ_t − Γ_j carries an absolute error
-of ulp(|Γ|) ≈ 6e-5 (observed 1.4e-5 on the state; the PyTorch chunk_kda, which keeps Γ per 16-token
+of ulp(|Γ|) ≈ 6e-5 (observed 1.4e-5 on the state; the PyTorch chunk_kda_torch, which keeps Γ per 16-token
 sub-chunk, sees 3e-6; the per-token fp32 recurrence 1e-7).
 Shapes are tiny (one program per chunk and head): T ∈ {1, 20, 64, 100, 130}, H ∈ {1, 2}, K = V = 16 and
 K = 32 with V = 48 (not a power of two: masked lanes, and several V blocks: three of 16 in the state pass,
@@ -344,7 +344,7 @@ def check_grads(run, ref, h0, cu_seqlens, tol, seed, gate_tol=None, **kwargs):
 # and dg is a reverse cumsum of terms that cancel, kernels/kda/chunk_bwd.py). Their fused-gate parameter
 # gradients get GATE_TOL: df = ∂g/∂z ⊙ dg weights the dg of the −30-nat tokens (true value ~e^-30, so fp32
 # rounding noise) 1900× more than the weak tokens' in "mixed_gate", and dA_log, ddt_bias are sums over tokens of
-# terms of both signs; measured df 2.3e-4, dA_log 5.4e-4, ddt_bias 1e-4 (the fp32 PyTorch chunk_kda on the same
+# terms of both signs; measured df 2.3e-4, dA_log 5.4e-4, ddt_bias 1e-4 (the fp32 PyTorch chunk_kda_torch on the same
 # inputs: 7e-5, 4e-4, 6.5e-5). At the bound itself ("bound_sat", σ(a·z) ≈ 1) ∂g/∂z = lb·a·σ(1 − σ) is below
 # fp32's resolution of 1 − σ (6e-8), so the gate gradients are rounding noise in fp32 (PyTorch's fp32 autograd
 # returns 0 there; relative error 1): they are checked by absolute error ≤ 1e-7 (measured 6e-9 for dA_log,

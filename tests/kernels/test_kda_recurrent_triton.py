@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3rl.kernels.kda.chunk import chunk_kda
+from k3rl.kernels.kda.chunk import chunk_kda_torch
 from k3rl.kernels.kda.gate import FusedGate, kda_gate
 from k3rl.kernels.kda.naive import naive_recurrent_kda
 from k3rl.kernels.kda.recurrent_triton import fused_recurrent_kda_triton
@@ -145,13 +145,13 @@ def test_recurrent_bf16(gate):
 
 
 def test_prefill_then_decode():
-    """§5.6: `chunk_kda` prefills 37 tokens (fp32, PyTorch), then three one-token Triton steps carry its state,
+    """§5.6: `chunk_kda_torch` prefills 37 tokens (fp32, PyTorch), then three one-token Triton steps carry its state,
     the gate computed in the kernel: together they equal one float64 reference pass over the 40 tokens."""
     B, T, H, K, V, split = 2, 40, 2, 32, 32, 37
     (q, k, v, fused, beta), ref_inputs = make_inputs(B, T, H, K, V, "lower_bound", seed=11, l2=True)
     g = fused.log_decay()  # [B, T, H, K] fp32, for the PyTorch prefill
     o_ref, s_ref = naive_recurrent_kda(*ref_inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_pre, state = chunk_kda(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
+    o_pre, state = chunk_kda_torch(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
                              output_final_state=True, use_qk_l2norm_in_kernel=True)
     outs = [o_pre]
     for t in range(split, T):

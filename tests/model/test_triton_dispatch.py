@@ -37,9 +37,9 @@ def count_triton_calls(monkeypatch) -> dict[str, int]:
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(kda_chunk_triton, "chunk_kda_triton", counted("kda_chunk", kda_chunk_triton.chunk_kda_triton))
+    monkeypatch.setattr(kda_chunk_triton, "chunk_kda_triton", counted("chunk_kda", kda_chunk_triton.chunk_kda_triton))
     monkeypatch.setattr(kda_recurrent_triton, "fused_recurrent_kda_triton",
-                        counted("kda_recurrent", kda_recurrent_triton.fused_recurrent_kda_triton))
+                        counted("fused_recurrent_kda", kda_recurrent_triton.fused_recurrent_kda_triton))
     monkeypatch.setattr(attn_res_entry, "attn_res_mix_triton", counted("attn_res", attn_res_entry.attn_res_mix_triton))
     monkeypatch.setitem(moe.IMPLEMENTATIONS, "triton", counted("moe", moe.IMPLEMENTATIONS["triton"]))
     monkeypatch.setattr(situ_fused, "situ_glu_triton", counted("situ", situ_fused.situ_glu_triton))
@@ -67,7 +67,7 @@ def test_model_forward_backward_through_triton(lower_bound, monkeypatch):
     calls = count_triton_calls(monkeypatch)
     monkeypatch.setenv("K3RL_FORCE_TRITON", "1")
     logits, grads = logits_and_grads(model, ids, weights)
-    assert {"kda_chunk", "attn_res", "moe", "situ"} <= set(calls), calls
+    assert {"chunk_kda", "attn_res", "moe", "situ"} <= set(calls), calls
     # fp32 both ways; the kernels sum in other orders (tiles, fused gate): agreement to ~1e-6 relative
     assert rel(logits, ref_logits) < 1e-4
     assert set(grads) == set(ref_grads)
@@ -85,5 +85,5 @@ def test_prefill_then_decode_through_triton(monkeypatch):
         monkeypatch.setenv("K3RL_FORCE_TRITON", "1")
         out = model(ids[:, :21], use_cache=True)
         steps = [out.logits] + [model(ids[:, t:t + 1], cache=out.cache).logits for t in range(21, 24)]
-    assert calls.get("kda_chunk", 0) > 0 and calls.get("kda_recurrent", 0) > 0, calls
+    assert calls.get("chunk_kda", 0) > 0 and calls.get("fused_recurrent_kda", 0) > 0, calls
     assert rel(torch.cat(steps, dim=1), full) < 1e-4

@@ -132,11 +132,11 @@ def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
 
 
 def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
-    from k3rl.rl.commands import pretrain
     from k3rl.rl.config import ConfigError, JobConfig, load_config
     from k3rl.rl.eval.runners import ModelRunner, check_evaluated
     from k3rl.rl.orchestrator import sft
     from k3rl.rl.orchestrator.trainer import Trainer
+    from k3rl.rl.pretrain import climb
 
     d, markers = evil
     runs = tmp_path / "runs"
@@ -149,7 +149,7 @@ def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
     with pytest.raises(ConfigError, match=r"^sft.model_dir: .*tokenization_x.py"):
         sft.run_sft(job(f"sft.model_dir={d}"))
     with pytest.raises(ConfigError, match=r"^pretrain.model_dir: .*tokenization_x.py"):
-        pretrain.check(job(f"pretrain.model_dir={d}"))
+        climb.check(job(f"pretrain.model_dir={d}"))
     with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):
         ModelRunner(job(f"eval.model_path={d}"), str(d))
     with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):

@@ -13,8 +13,8 @@ REPO = Path(__file__).parents[2]
 def k3_dir(tmp_path_factory):
     """A random tiny K3 directory (4 layers: 3 KDA + 1 MLA, with its tokenizer), built once by `k3rl init`'s
     function; the `k3rl eval` tests evaluate it."""
-    from k3rl.rl.commands.sft import init_model
     from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.orchestrator.sft import init_model
 
     cfg = load_config(REPO / "configs/model/tiny.yaml", ["model.num_hidden_layers=4",
                                                          "model.linear_attn_config.kda_layers=[1,2,3]",

@@ -25,7 +25,7 @@ TINY4 = ["model.num_hidden_layers=4", "model.linear_attn_config.kda_layers=[1,2,
 
 
 def _model(tmp: Path, nope: bool) -> Path:
-    from k3rl.rl.commands.sft import init_model
+    from k3rl.rl.orchestrator.sft import init_model
 
     cfg = load_config(REPO / "configs/model/tiny.yaml", TINY4 + [f"model.mla_use_nope={str(nope).lower()}"], JobConfig)
     return init_model(cfg.model, tmp / ("nope" if nope else "rope"), seed=0)

@@ -1,4 +1,4 @@
-"""SFT warm start (rl/commands/sft.py, trained by the learner's `nll` objective through rl/train/supervised.py):
+"""SFT warm start (rl/orchestrator/sft.py, trained by the learner's `nll` objective through rl/train/supervised.py):
 demonstrations are the agent loop's own tokens, the loss rows are exactly the model's turns, the loss
 is the masked cross-entropy, micro-batching equals one batch, epochs are seeded shuffles,
 a short `k3rl sft` run lowers the loss and saves a loadable model, SFT teaches the tool protocol to
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from k3rl.envs.registry import register
 from k3rl.envs.search import SearchEnv
-from k3rl.rl.commands.sft import SFTConfig, main
-from k3rl.rl.config import ConfigError
+from k3rl.rl.commands.sft import main
+from k3rl.rl.config import ConfigError, SFTConfig
 from k3rl.rl.eval.evaluate import evaluate_greedy
 from k3rl.rl.orchestrator.demonstrations import collect_demonstrations, demonstrations
 from k3rl.rl.train.batching import collate, to_train_sequence

@@ -1,5 +1,5 @@
 """The cells and tasks of `k3rl eval`'s grid (rl/eval/grid.py): `eval.families` (envs/longctx/; `file`: the real
-tasks of `eval.tasks_file`) × `eval.serve` (in context, or behind the search tool over the same haystack) ×
+tasks of `eval.tasks_path`) × `eval.serve` (in context, or behind the search tool over the same haystack) ×
 `eval.context_lengths` (tokens of the whole in-context prompt, counted with the evaluated model's tokenizer),
 `eval.num_tasks` tasks per cell, deterministic in `eval.seed`. Each task records its evidence depths (where each
 evidence passage sits in the haystack, 0 = start).
@@ -72,7 +72,7 @@ def env_kwargs(cfg: Any, cell: Cell, tokenizer: Any) -> dict[str, Any]:
 
     base = OmegaConf.to_container(cfg.env.args, resolve=True) if cfg.env.name == cell.family else {}
     base = {k: v for k, v in (base or {}).items() if k not in ("serve", "length", "tokenizer", "path")}
-    own = {"path": cfg.eval.tasks_file} if cell.family == FILE_FAMILY else {}
+    own = {"path": cfg.eval.tasks_path} if cell.family == FILE_FAMILY else {}
     return {**base, **own, "serve": cell.serve, "length": cell.length, "tokenizer": tokenizer}
 
 
@@ -95,7 +95,7 @@ def build_grid(cfg: Any, tokenizer: Any) -> list[GridTask]:
                 # the same task seeds at every length and serving: cells differ only in the haystack
                 tasks = env.tasks(ev.num_tasks, seed=ev.seed)
                 if len(tasks) < ev.num_tasks and (not out or out[-1].cell.family != family):  # said once
-                    print(f"k3rl eval: {family} has {len(tasks)} tasks (eval.tasks_file), fewer than "
+                    print(f"k3rl eval: {family} has {len(tasks)} tasks (eval.tasks_path), fewer than "
                           f"eval.num_tasks={ev.num_tasks}: each of its cells runs all of them", flush=True)
                 for i, task in enumerate(tasks):
                     task = {**task, "length": cell.length - scaffold}

@@ -1,4 +1,4 @@
-"""The HTTP client of `k3rl eval`'s endpoint runner (rl/eval/runners.py): GET /models and POST /chat/completions
+"""The HTTP client of `k3rl eval`'s endpoint runner (rl/eval/endpoint.py): GET /models and POST /chat/completions
 of an OpenAI-compatible API, with bounds that a slow, broken or hostile server cannot stretch.
 
 - **A whole-request deadline.** Connecting, sending and reading every byte of the reply fall inside one deadline

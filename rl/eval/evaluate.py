@@ -1,9 +1,10 @@
 """Evaluation of finished episodes: success by the environment's own rule, every numeric reward
-component with a 95% interval, breakdowns by any task field; and greedy rollouts on a local engine.
+component with a 95% interval, breakdowns by any task field. The episodes come from a `Runner`
+(rl/eval/runners.py).
 
 One scorer for every caller: the trainer's held-out evaluation (rollouts on its Ray workers,
-rl/orchestrator/trainer.py), SFT's held-out check and the quickstart score with `score`, so "success" means
-the same everywhere. The rule is declared by the environment (`Env.success_metric`, e.g. `em`
+rl/orchestrator/trainer.py), SFT's held-out check, `k3rl eval`'s reports (rl/eval/report.py) and the quickstart
+score with `score`, so "success" means the same everywhere. The rule is declared by the environment (`Env.success_metric`, e.g. `em`
 for the search and long-context environments): an episode succeeds when that reward component
 is ≥ 1, or, for an environment that declares none (or an episode that does not report it), when
 its reward is ≥ 1. `env.success_key` overrides it for a job.
@@ -15,7 +16,6 @@ reward component (its sample standard deviation over √n; NaN with fewer than t
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -120,32 +120,12 @@ def breakdown(trajectories: Sequence[Any], tasks: Sequence[Any], by: Sequence[st
     return {key: score(group, success_key) for key, group in sorted(cells.items(), key=lambda kv: repr(kv[0]))}
 
 
-def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_kwargs: dict | None = None, *,
-                    max_new_tokens: int = 128, max_turns: int | None = None, max_context_tokens: int = 4096,
-                    success_key: Optional[str] = None, device: str = "cpu") -> dict[str, Any]:
-    """Greedy rollouts of `model` (TorchEngine + AgentLoop, in this process) on `tasks`, scored by `score`
-    (`success_key` None: the environment's rule); also how many sampled turns are well-formed tool calls
-    (parse to a tool the environment has)."""
-    import k3rl.envs as envs
-    from k3rl.envs.base import Budget
+def held_out_summary(trajectories: Sequence[Any], tokenizer: Any, tool_names: set[str], success_key: Optional[str],
+                     seconds: float) -> dict[str, Any]:
+    """SFT's `eval.json` (rl/eval/runners.py `greedy_report`): `score` of token-level episodes by the rule
+    `success_key`, and how many sampled turns are well-formed tool calls (parse to one of `tool_names`)."""
     from k3rl.envs.tools import ToolCall, parse
-    from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
-    from k3rl.rollout.engine import SamplingParams
-    from k3rl.rollout.torch_engine import TorchEngine
 
-    was_training = model.training
-    env0 = envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {}))
-    key = success_rule(env0, success_key)
-    budget = env0.budget if max_turns is None else Budget(**{**vars(env0.budget), "max_turns": max_turns})
-    names = set(env0.tool_specs())
-    engine = TorchEngine(model, tokenizer, device=device)
-    loop = AgentLoop(engine, tokenizer, lambda: envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {})),
-                     SamplingParams(temperature=0.0, max_tokens=max_new_tokens), budget=budget,
-                     max_context_tokens=max_context_tokens, env_name=env_name)
-    started = time.perf_counter()
-    trajectories = loop.run([EpisodeRequest(t, str(i), str(i)) for i, t in enumerate(tasks)])
-    seconds = time.perf_counter() - started
-    model.train(was_training)
     turns_ok, turns, first_ok = 0, 0, 0
     for t in trajectories:
         for k, (a, b) in enumerate(t.turn_spans.tolist()):
@@ -153,14 +133,14 @@ def evaluate_greedy(model, tokenizer, env_name: str, tasks: Sequence[Any], env_k
             if ids and ids[-1] == tokenizer.eos_token_id:
                 ids = ids[:-1]
             call = parse(tokenizer.decode(ids, skip_special_tokens=False))
-            ok = isinstance(call, ToolCall) and call.name in names
+            ok = isinstance(call, ToolCall) and call.name in tool_names
             turns_ok += ok
             turns += 1
             first_ok += ok and k == 0
-    result = score(trajectories, key)
+    result = score(trajectories, success_key)
     n = max(1, len(trajectories))
     return {"tasks": result.n, "success": result.rate, "success_ci95": list(result.interval),
-            "success_key": key, "mean_reward": sum(t.reward for t in trajectories) / n,
+            "success_key": success_key, "mean_reward": sum(t.reward for t in trajectories) / n,
             "components": {k: list(v) for k, v in result.components.items()},
             "first_turn_well_formed": first_ok / n, "turns_well_formed": turns_ok / max(1, turns),
             "mean_turns": turns / n, "seconds": seconds}

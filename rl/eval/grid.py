@@ -1,17 +1,17 @@
 """Long-context evidence-retrieval evaluation: the grid `k3rl eval` (rl/commands/eval.py) runs and pretraining
 runs after each stage (`eval_model_grid`).
 
-The grid (rl/eval/cells.py): `eval.families` (envs/longctx/; `file`: the real tasks of `eval.tasks_file`) × `eval.serve` (in
+The grid (rl/eval/cells.py): `eval.families` (envs/longctx/; `file`: the real tasks of `eval.tasks_path`) × `eval.serve` (in
 context, or behind the search tool over the same haystack) × `eval.context_lengths` (tokens of the in-context
 prompt, counted with the evaluated model's tokenizer), `eval.num_tasks` tasks per cell, deterministic in
 `eval.seed`. Each task also records its evidence depths (where each evidence passage sits in the haystack,
 0 = start; `depth` is the first one's, the heatmap bins by the deepest: rl/eval/report.py).
 
-Who is evaluated on the same tasks ("runners", rl/eval/runners.py): the model of `eval.model_path` on the
+Who is evaluated on the same tasks (rl/eval/evaluated.py): the model of `eval.model_path` on the
 engine of `rollout.engine` (k3rl's own or vLLM, greedy, the rollout limits of `rollout:`), or a served model
 behind the OpenAI-compatible endpoint `eval.endpoint`; its tokenizer counts the lengths. Beside it the
 baselines of `eval.baselines` — the environment's `oracle` (the ceiling) and `closed_book` (answers at once
-with another task's answer, envs/teachers.py: the floor) — so a reader sees the scale.
+with another task's answer, envs/teachers.py: the floor; rl/eval/baselines.py) — so a reader sees the scale.
 
 Scoring is rl/eval/evaluate.py's `score` (success by the environment's rule with a Wilson interval, every
 reward component — EM, F1, evidence recall — with its interval, tool calls), per cell and runner, plus
@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from k3rl.rl.config import ConfigError
+from k3rl.rl.eval.baselines import run_baseline
 from k3rl.rl.eval.cells import BASELINES, SERVINGS, Cell, GridTask, build_grid
+from k3rl.rl.eval.evaluated import check_evaluated, evaluated_model
 from k3rl.rl.eval.report import aggregate, heatmap, markdown, write_results
 from k3rl.rl.eval.rows import TASKS_FILE, RowWriter, is_transient, read_rows
-from k3rl.rl.eval.runners import check_evaluated, evaluated_runner, run_baseline
 
 
 def check(cfg: Any) -> None:
@@ -54,12 +55,12 @@ def check(cfg: Any) -> None:
     if unknown or not ev.families:
         raise ConfigError(f"eval.families: {unknown or 'empty'}; choose from {', '.join(families)}")
     if FILE_FAMILY in ev.families:  # the whole file is checked: a bad line is named before any work
-        if not ev.tasks_file:
-            raise ConfigError(f"eval.tasks_file: the {FILE_FAMILY!r} family needs a JSONL task file (envs/README.md)")
+        if not ev.tasks_path:
+            raise ConfigError(f"eval.tasks_path: the {FILE_FAMILY!r} family needs a JSONL task file (envs/README.md)")
         try:
-            read_task_file(ev.tasks_file)
+            read_task_file(ev.tasks_path)
         except TaskFileError as e:
-            raise ConfigError(f"eval.tasks_file: {e}") from None
+            raise ConfigError(f"eval.tasks_path: {e}") from None
     bad = [s for s in ev.serve if s not in SERVINGS]
     if bad or not ev.serve:
         raise ConfigError(f"eval.serve: {bad or 'empty'}; choose from {', '.join(SERVINGS)}")
@@ -91,9 +92,9 @@ def run_grid(cfg: Any) -> Path:
     check(cfg)
     ev = cfg.eval
     out = Path(cfg.run.output_dir) / cfg.run.name
-    runner = evaluated_runner(cfg)  # an endpoint is probed here: unreachable is a ConfigError before any work
-    tokenizer = runner.tokenizer
-    evaluated = runner.describe()
+    model = evaluated_model(cfg)  # an endpoint is probed here: unreachable is a ConfigError before any work
+    tokenizer = model.tokenizer
+    evaluated = model.describe()
     print(f"k3rl eval: {evaluated['model']} on {evaluated['backend']}", flush=True)
     started = time.perf_counter()
     grid = build_grid(cfg, tokenizer)
@@ -119,7 +120,7 @@ def run_grid(cfg: Any) -> Path:
     retry = frozenset((r["runner"], r["task_id"]) for r in rows if is_transient(r))
     rows = [r for r in rows if (r["runner"], r["task_id"]) not in retry]
     done = {(r["runner"], r["task_id"]) for r in rows}
-    runners = [(runner.name, runner.run)] + [(b, lambda tasks, b=b: run_baseline(b, cfg, tasks, tokenizer))
+    runners = [(model.name, model.rows)] + [(b, lambda tasks, b=b: run_baseline(b, cfg, tasks, tokenizer))
                                          for b in ev.baselines]
     cells: dict[Cell, list[GridTask]] = {}
     for gt in grid:

@@ -53,7 +53,7 @@ def transcript(messages: Sequence[dict[str, Any]]) -> str:
 
 def tokens_read(messages: Sequence[dict[str, Any]], tokenizer: Any) -> int:
     """Tokens a model reads in the episode `messages` (a message-level policy's: the baselines'), counted as the
-    model's own rows count them (`ModelRunner`: the trajectory's tokens less the sampled ones): the conversation
+    model's own rows count them (`LocalModel`: the trajectory's tokens less the sampled ones): the conversation
     as the agent loop tokenises it (rollout/chat.py `render_transcript`: the prompt with its chat template and
     generation prompt, each tool result with its turn delimiters, up to the last assistant turn) less the
     assistant's tokens. Without a chat template (or a transcript the loop could not have produced): the

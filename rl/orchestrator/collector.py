@@ -141,7 +141,8 @@ class Collector:
     # ---- held-out episodes
 
     def evaluate(self, tasks: list[tuple[str, Any]], step: int) -> list:
-        """One episode per held-out task (at `eval_sampling`), spread over the workers, in arrival order."""
+        """One episode per held-out task (at `eval_sampling`), spread over the workers, in arrival order: how
+        rl/orchestrator/pool_runner.py's `PoolRunner` plays."""
         size = math.ceil(len(tasks) / self.pool.num_workers)
         self._eval_pending = deque(tasks[i:i + size] for i in range(0, len(tasks), size))
         self._eval_results = []

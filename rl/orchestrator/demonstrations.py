@@ -73,7 +73,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
     import random
 
     import k3rl.envs as envs
-    from k3rl.envs.base import Budget, run_episode
+    from k3rl.envs.base import run_episode, with_budget
     from k3rl.rollout.chat import ChatRenderer, render_transcript
 
     if not (0.0 <= closed_book_rate and 0.0 <= hedging_rate and closed_book_rate + hedging_rate < 1.0):
@@ -82,7 +82,7 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
     renderer = ChatRenderer(tokenizer)
     env = envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {}))
     tasks = env.tasks(n, seed) if tasks is None else list(tasks)
-    budget = env.budget if max_turns is None else Budget(**{**vars(env.budget), "max_turns": max_turns})
+    budget = env.budget if max_turns is None else with_budget(env.budget, max_turns=max_turns)
     count = lambda s: len(renderer.encode_text(s, tool_result=True))  # noqa: E731  (observations clipped as the agent loop clips them)
     results = [run_episode(env, task, env.oracle(task), budget, count) for task in tasks]
     solved = [r.reward >= min_reward for r in results]

@@ -198,12 +198,12 @@ def run_sft(cfg) -> Path:
             make_tasks(env, sft.eval_tasks, cfg.eval.seed, "sft.eval_tasks / env.args"), train_tasks)
         if dropped:
             print(dropped, flush=True)
-        from k3rl.rl.eval.evaluate import evaluate_greedy
+        from k3rl.rl.eval.runners import greedy_report
 
-        result = evaluate_greedy(learner.model, tokenizer, env_name, held_out, env_kwargs,
-                                 max_new_tokens=cfg.rollout.max_new_tokens, max_turns=cfg.rollout.max_turns,
-                                 max_context_tokens=cfg.rollout.max_context_tokens, success_key=cfg.env.success_key,
-                                 device=run.device)
+        result = greedy_report(learner.model, tokenizer, env_name, held_out, env_kwargs,
+                               max_new_tokens=cfg.rollout.max_new_tokens, max_turns=cfg.rollout.max_turns,
+                               max_context_tokens=cfg.rollout.max_context_tokens, success_key=cfg.env.success_key,
+                               device=run.device)
         (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
         lo, hi = result["success_ci95"]
         print(f"held-out greedy rollouts: success {result['success']:.2f} [{lo:.2f}, {hi:.2f}] on {result['tasks']} "

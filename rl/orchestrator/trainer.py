@@ -114,6 +114,7 @@ from k3rl.rl.metrics import METRICS_FILE, MetricsLogger, plot
 from k3rl.rl.orchestrator.buffer import Taken
 from k3rl.rl.orchestrator.cluster import init_ray
 from k3rl.rl.orchestrator.collector import Collector
+from k3rl.rl.orchestrator.pool_runner import PoolRunner
 from k3rl.rl.orchestrator.rollout_pool import RolloutPool, WeightSyncError  # noqa: F401  (WeightSyncError: re-exported)
 from k3rl.rl.orchestrator.tasks import make_tasks, read_tasks, remove_training_tasks
 from k3rl.rollout.worker import WorkerSpec, check_engine_args, check_partial_resume
@@ -468,7 +469,7 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         """Held-out tasks, one greedy (or `eval.temperature`) episode each, spread over the workers."""
-        results = self.collector.evaluate(self.eval_tasks, self.step)
+        results = PoolRunner(self.collector, self.step).play(self.eval_tasks)
         write_eval_episodes(self.run_dir, self.step, results, self._tokenizer())
         return score(results, self.success_key).metrics("eval/")
 

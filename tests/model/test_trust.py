@@ -133,7 +133,8 @@ def test_the_learner_runs_nothing(tiny_qwen3_dir, tmp_path):
 
 def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
     from k3rl.rl.config import ConfigError, JobConfig, load_config
-    from k3rl.rl.eval.runners import ModelRunner, check_evaluated
+    from k3rl.rl.eval.evaluated import check_evaluated
+    from k3rl.rl.eval.runners import LocalModel
     from k3rl.rl.orchestrator import sft
     from k3rl.rl.orchestrator.trainer import Trainer
     from k3rl.rl.pretrain import climb
@@ -151,7 +152,7 @@ def test_every_command_refuses_by_key_before_writing_anything(evil, tmp_path):
     with pytest.raises(ConfigError, match=r"^pretrain.model_dir: .*tokenization_x.py"):
         climb.check(job(f"pretrain.model_dir={d}"))
     with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):
-        ModelRunner(job(f"eval.model_path={d}"), str(d))
+        LocalModel(job(f"eval.model_path={d}"), str(d))
     with pytest.raises(ConfigError, match=r"^eval.model_path: .*tokenization_x.py"):
         check_evaluated(job("eval.endpoint=http://127.0.0.1:9/v1", f"eval.model_path={d}"))
     assert ran(markers) == [] and not runs.exists()

@@ -1,4 +1,4 @@
-"""`k3rl eval` against hostile OpenAI-compatible servers (rl/eval/endpoint_client.py through rl/eval/runners.py's
+"""`k3rl eval` against hostile OpenAI-compatible servers (rl/eval/endpoint_client.py through rl/eval/endpoint.py's
 `EndpointRunner`): a tiny local HTTP server in a thread whose answers each test sets, the random tiny K3's
 tokenizer counting the lengths.
 
@@ -272,7 +272,7 @@ def test_control_token_strings_never_reach_the_server(server, k3_dir, tmp_path):
         h.reply(completion(ANSWER if request["messages"][-1]["content"].startswith("<tool_response>") else SEARCH))
 
     server.chat = search_then_answer
-    assert run(tmp_path, server, k3_dir, "eval.families=[file]", f"eval.tasks_file={tasks}",
+    assert run(tmp_path, server, k3_dir, "eval.families=[file]", f"eval.tasks_path={tasks}",
                "eval.serve=[context,search]") == 0
     assert all(r["error"] == "" for r in rows_of(tmp_path))
     tokenizer = load_tokenizer(k3_dir)

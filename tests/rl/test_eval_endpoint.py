@@ -1,4 +1,4 @@
-"""`k3rl eval` of other backends (rl/eval/runners.py): a served model behind an OpenAI-compatible endpoint — a
+"""`k3rl eval` of other backends (rl/eval/endpoint.py, rl/eval/runners.py): a served model behind an OpenAI-compatible endpoint — a
 real `vllm serve` of the tiny Qwen3 on a free local port, one server for the module — and the same model on
 vLLM in-process; a random model fails the tasks, so the plumbing is checked, not the score.
 
@@ -145,13 +145,13 @@ def test_a_wrong_endpoint_is_named_before_anything_is_written(served, tmp_path, 
 @pytest.mark.vllm
 def test_the_served_name_resolves_to_a_local_tokenizer(served, tiny_qwen3_dir):
     from k3rl.rl.config import JobConfig, load_config
-    from k3rl.rl.eval.runners import EndpointRunner
+    from k3rl.rl.eval.endpoint import ServedModel
 
     cfg = load_config(REPO / "configs/eval/longctx.yaml", [f"eval.endpoint={served}",
                                                            f"eval.endpoint_model={tiny_qwen3_dir}"], JobConfig)
-    runner = EndpointRunner(cfg)
-    assert runner.model == str(tiny_qwen3_dir) and runner.max_model_len == 4096
-    assert runner.tokenizer.chat_template is not None
+    served_model = ServedModel(cfg)
+    assert served_model.model == str(tiny_qwen3_dir) and served_model.max_model_len == 4096
+    assert served_model.tokenizer.chat_template is not None
 
 
 def test_an_unreachable_endpoint_and_k3_on_vllm_are_named_before_anything_is_written(tmp_path, capsys):
@@ -187,7 +187,7 @@ def reply(text, finish="stop", usage=(0, 0), **stop_reason):
 
 def test_the_chat_policy_restores_the_stop_string_and_counts_each_token_read_once():
     from k3rl.envs.tools import ToolCall, parse
-    from k3rl.rl.eval.runners import ChatPolicy
+    from k3rl.rl.eval.endpoint import ChatPolicy
 
     call = '<tool_call>\n{"name": "answer", "arguments": {"text": "x"}}\n'
     client = FakeChat([reply("look " + call, usage=(100, 12)), reply(call, stop_reason=None, usage=(130, 9)),
@@ -215,7 +215,7 @@ def test_the_chat_policy_restores_the_stop_string_and_counts_each_token_read_onc
     [(100, 90), (130, 9)],  # the replies before outweigh the last prompt
 ])
 def test_usage_that_is_not_a_consistent_count_gives_the_tokenizers_with_a_note(usage):
-    from k3rl.rl.eval.runners import ChatPolicy
+    from k3rl.rl.eval.endpoint import ChatPolicy
 
     policy = ChatPolicy(FakeChat([]), "m", 16)
     policy.usage = usage

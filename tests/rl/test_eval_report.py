@@ -12,7 +12,7 @@ from k3rl.rl.eval.report import aggregate, effective_length, write_results
 
 
 def row(runner: str, length: int, success: bool, error: str = "", depth: float | None = 0.5) -> dict:
-    """A tasks.jsonl row as rl/eval/runners.py's `task_row` writes it (the fields `aggregate` reads)."""
+    """A tasks.jsonl row as rl/eval/rows.py's `task_row` writes it (the fields `aggregate` reads)."""
     em = float(success and not error)
     return {"runner": runner, "family": "needle", "serve": "context", "length": length, "error": error,
             "reward": em, "rewards": {} if error else {"em": em, "f1": em}, "success": bool(em),

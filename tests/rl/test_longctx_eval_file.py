@@ -67,7 +67,7 @@ def tasks_file(tmp_path_factory) -> Path:
 
 def args(out: Path, model: Path, tasks: Path, *extra: str) -> list[str]:
     return [str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={out}", "run.name=e", f"eval.model_path={model}",
-            "eval.families=[file]", f"eval.tasks_file={tasks}", "eval.serve=[context,search]",
+            "eval.families=[file]", f"eval.tasks_path={tasks}", "eval.serve=[context,search]",
             f"eval.context_lengths=[{','.join(map(str, LENGTHS))}]", "eval.num_tasks=8", "eval.batch_size=8",
             "rollout.max_new_tokens=8", "rollout.max_turns=4", "rollout.max_context_tokens=2048", *extra]
 
@@ -75,7 +75,7 @@ def args(out: Path, model: Path, tasks: Path, *extra: str) -> list[str]:
 def test_real_tasks_round_trip_with_the_oracle_at_the_ceiling_and_closed_book_at_the_floor(
         k3_dir, tasks_file, tmp_path, capsys):
     assert main(args(tmp_path, k3_dir, tasks_file)) == 0
-    assert "file has 5 tasks (eval.tasks_file), fewer than eval.num_tasks=8" in capsys.readouterr().out
+    assert "file has 5 tasks (eval.tasks_path), fewer than eval.num_tasks=8" in capsys.readouterr().out
     rows = read_rows(tmp_path / "e" / "tasks.jsonl")
     assert Counter(r["runner"] for r in rows) == {"model": 20, "oracle": 20, "closed_book": 20}
     assert not [r for r in rows if r["error"]]
@@ -142,8 +142,8 @@ GOOD = {"id": "a", "question": "Who?", "answers": ["Ann"], "passages": [{"id": "
 
 
 @pytest.mark.parametrize("lines, extra, message", [
-    (None, ["eval.tasks_file=/nonexistent/tasks.jsonl"], "eval.tasks_file: /nonexistent/tasks.jsonl: no such task file"),
-    (None, ["eval.tasks_file=null"], "eval.tasks_file: the 'file' family needs a JSONL task file"),
+    (None, ["eval.tasks_path=/nonexistent/tasks.jsonl"], "eval.tasks_path: /nonexistent/tasks.jsonl: no such task file"),
+    (None, ["eval.tasks_path=null"], "eval.tasks_path: the 'file' family needs a JSONL task file"),
     ([GOOD, '{"id": "b", "question": '], [], "tasks.jsonl:2: not valid JSON"),
     (["[1, 2]"], [], "tasks.jsonl:1: a task is a JSON object, got list"),
     ([{**GOOD, "question": ""}], [], "tasks.jsonl:1: task 'a': no question"),

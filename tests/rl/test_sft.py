@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from k3rl.envs.registry import register
 from k3rl.envs.search import SearchEnv
 from k3rl.rl.commands.sft import main
-from k3rl.rl.config import ConfigError, SFTConfig
-from k3rl.rl.eval.evaluate import evaluate_greedy
+from k3rl.rl.config import ConfigError, SFTConfig, SFTLearner
+from k3rl.rl.eval.runners import greedy_report
 from k3rl.rl.orchestrator.demonstrations import collect_demonstrations, demonstrations
 from k3rl.rl.train.batching import collate, to_train_sequence
 from k3rl.rl.train.learner import Learner, LearnerConfig
@@ -88,9 +88,9 @@ def write_job(tmp_path: Path, name: str, **sft) -> Path:
 def k3_run(tmp_path_factory):
     """`k3rl sft` from nothing: the tiny K3 built from its recipe, 4 toy demonstrations, 8 steps."""
     tmp = tmp_path_factory.mktemp("sft-k3")
-    path = write_job(tmp, "k3", num_tasks=4, max_steps=8, batch_size=1, grad_accum=2, lr=3e-3, warmup_steps=0,
+    path = write_job(tmp, "k3", num_tasks=4, max_steps=8, batch_size=1, grad_accum=2, learner={"lr": 3e-3, "warmup_steps": 0},
                      logging_steps=2, eval_tasks=2)
-    assert main([str(path), "sft.logprob_chunk_size=64"]) == 0
+    assert main([str(path), "sft.learner.logprob_chunk_size=64"]) == 0
     return tmp / "k3"
 
 
@@ -102,7 +102,7 @@ def k3_tokenizer(k3_run):
 
 
 def sft_cfg(**kw) -> SFTConfig:
-    return SFTConfig(**{**dict(env="sft-toy-search", warmup_steps=0, logging_steps=1), **kw})
+    return SFTConfig(**{**dict(env="sft-toy-search", learner=SFTLearner(warmup_steps=0), logging_steps=1), **kw})
 
 
 class ReplayEngine:
@@ -325,13 +325,13 @@ def test_sft_teaches_the_tool_protocol(tiny_qwen3_dir):
                           micro_batch_seqs=8)
     tasks = toy_tasks(8, seed=0)
     kwargs = dict(max_new_tokens=96, max_turns=4, max_context_tokens=1024)
-    before = evaluate_greedy(learner.model, tokenizer, "sft-toy-search", tasks, **kwargs)
+    before = greedy_report(learner.model, tokenizer, "sft-toy-search", tasks, **kwargs)
     assert before["first_turn_well_formed"] == 0.0 and before["success"] == 0.0
     report = collect_demonstrations("sft-toy-search", 8, 0, tokenizer, tasks=tasks)
     examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in report.rows]
     rows = train_supervised(learner, examples, step_batches(len(examples), 8, 40, seed=0), lambda *_: None, 10)
     assert [r["step"] for r in rows] == [1, 10, 20, 30, 40] and rows[-1]["loss"] < 0.5 * rows[0]["loss"]
-    after = evaluate_greedy(learner.model, tokenizer, "sft-toy-search", tasks, **kwargs)
+    after = greedy_report(learner.model, tokenizer, "sft-toy-search", tasks, **kwargs)
     assert after["first_turn_well_formed"] == 1.0 and after["turns_well_formed"] == 1.0
     assert after["success"] >= 0.75, after
 

@@ -213,8 +213,8 @@ def _ray_worker_setup() -> None:
 def run_k3rl_ray(args: argparse.Namespace, model_dir: Path, tasks_path: Path, out_dir: Path) -> dict:
     import ray
 
-    from k3rl.rl.config import load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -222,7 +222,7 @@ def run_k3rl_ray(args: argparse.Namespace, model_dir: Path, tasks_path: Path, ou
     ray.init(num_cpus=2 * args.threads, include_dashboard=False, log_to_driver=True, configure_logging=False,
              runtime_env={"worker_process_setup_hook": _ray_worker_setup})
     steps = args.warmup + args.steps + 1
-    cfg = load_config(None, k3rl_overrides(args, model_dir, tasks_path, out_dir, steps), schema=TrainJobConfig)
+    cfg = load_config(None, k3rl_overrides(args, model_dir, tasks_path, out_dir, steps), schema=JobConfig)
     stamps: list[float] = []
     tokens, perf = [], []
 

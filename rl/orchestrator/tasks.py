@@ -2,12 +2,14 @@
 and compared by content.
 
 `k3rl sft` and `k3rl train` draw their training and held-out tasks here, so both keep held-out
-tasks apart from training tasks by the same rule.
+tasks apart from training tasks by the same rule; `job_tasks` is the trainer's pair of named task lists.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -86,3 +88,43 @@ def read_tasks(path: str | Path, env: Any = None, bad_rows: str = "refuse",
         if skipped is not None:
             skipped.append(problem)
     return tasks
+
+
+@dataclass
+class JobTasks:
+    """The training and held-out tasks of a `k3rl train` job, each as (task id, task)."""
+
+    train: list[tuple[str, Any]]
+    held_out: list[tuple[str, Any]]
+    dropped_line: Optional[str] = None
+    """How many held-out tasks equal a training task and were dropped (None: none)."""
+    skipped_rows: list[str] = field(default_factory=list)
+    """Bad task-file rows left out under `env.bad_task_rows=skip`, "file:line: reason" each."""
+
+
+def _task_id(task: Any, fallback: str) -> str:
+    return str(task["id"]) if isinstance(task, dict) and "id" in task else fallback
+
+
+def job_tasks(cfg: Any, env: Any) -> JobTasks:
+    """Training tasks (`env.tasks_path`, else `env.tasks(env.num_tasks, seed=run.seed)`) and held-out tasks
+    (`eval.tasks_path`, else `env.tasks(eval.num_tasks, seed=eval.seed)`; none when `eval.every` is 0) minus
+    any that equal a training task; ids must be unique within each list."""
+    skipped: list[str] = []
+    en, ev = cfg.env, cfg.eval
+    train = read_tasks(en.tasks_path, env, en.bad_task_rows, skipped) if en.tasks_path else \
+        make_tasks(env, en.num_tasks, cfg.run.seed, "env.num_tasks / env.args")
+    if not train:
+        raise ConfigError("no training tasks (env.tasks_path is empty, or env.num_tasks is 0)")
+    held_out, dropped_line = [], None
+    if ev.every > 0:
+        held_out = read_tasks(ev.tasks_path, env, en.bad_task_rows, skipped) if ev.tasks_path else (
+            make_tasks(env, ev.num_tasks, ev.seed, "eval.num_tasks / env.args") if ev.num_tasks > 0 else [])
+        held_out, dropped_line = remove_training_tasks(held_out, train)
+    named = ([(_task_id(t, f"train-{i}"), t) for i, t in enumerate(train)],
+             [(_task_id(t, f"eval-{i}"), t) for i, t in enumerate(held_out)])
+    for kind, tasks in zip(("training", "held-out"), named):
+        repeated = [task_id for task_id, n in Counter(task_id for task_id, _ in tasks).items() if n > 1]
+        if repeated:
+            raise ConfigError(f"{kind} task ids must be unique; repeated: {', '.join(repeated[:5])}")
+    return JobTasks(*named, dropped_line=dropped_line, skipped_rows=skipped)

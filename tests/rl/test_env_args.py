@@ -31,13 +31,13 @@ def test_make_names_refused_values():
 
 
 def test_k3rl_train_refuses_before_the_run_directory(tiny_qwen3_dir, tmp_path):
-    from k3rl.rl.config import ConfigError, load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     items = [f"run.output_dir={tmp_path / 'runs'}", "run.name=ask", f"rl.model_path={tiny_qwen3_dir}",
              "env.name=needle", "env.args={length: 1024, ask: size}"]
     with pytest.raises(ConfigError, match=rf"env.args: environment 'needle' does not take these arguments .*{BAD_ASK}"):
-        Trainer(load_config(None, items, schema=TrainJobConfig))
+        Trainer(load_config(None, items, schema=JobConfig))
     assert not (tmp_path / "runs").exists()
 
 

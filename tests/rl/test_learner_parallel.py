@@ -167,8 +167,8 @@ def test_expert_parallel_fsdp_learner_equals_one_rank(tmp_path):
 def test_train_config_takes_expert_parallel_and_fsdp(tmp_path, capsys):
     """`k3rl train … learner.expert_parallel=2 learner.fsdp=true` passes the config checks; what a sharded learner
     cannot run is refused before anything starts, naming the key."""
-    from k3rl.rl.config import load_config
-    from k3rl.rl.orchestrator.trainer import TrainJobConfig, main
+    from k3rl.rl.commands.train import main
+    from k3rl.rl.config import JobConfig, load_config
     from k3rl.rl.train.learner import LearnerConfig
 
     model_dir = tmp_path / "m"
@@ -176,12 +176,12 @@ def test_train_config_takes_expert_parallel_and_fsdp(tmp_path, capsys):
     (model_dir / "config.json").write_text("{}")
     (model_dir / "tokenizer_config.json").write_text("{}")
     recipe = str(Path(__file__).parents[2] / "configs/rl/quickstart.yaml")
-    good = [f"rl.model_path={model_dir}", "rl.num_learners=2", "learner.expert_parallel=2", "learner.fsdp=true",
+    good = [f"rl.model_path={model_dir}", "learner.num_ranks=2", "learner.expert_parallel=2", "learner.fsdp=true",
             "algo.args.kl_coef=0", "learner.share_prefix=false"]
-    cfg = LearnerConfig.from_job(load_config(recipe, good, schema=TrainJobConfig), model_dir)
+    cfg = LearnerConfig.from_job(load_config(recipe, good, schema=JobConfig), model_dir)
     assert (cfg.expert_parallel, cfg.fsdp, cfg.sharded) == (2, True, True)
     for extra, key in [(["algo.args.kl_coef=0.05"], "kl_coef"), (["learner.share_prefix=true"], "share_prefix"),
-                       (["rl.num_learners=3"], "rl.num_learners = 3"), (["learner.optimizer=muon"], "optimizer"),
+                       (["learner.num_ranks=3"], "learner.num_ranks = 3"), (["learner.optimizer=muon"], "optimizer"),
                        (["learner.segment_tokens=64"], "segment_tokens"), (["learner.expert_parallel=0"], "≥ 1")]:
         assert main([recipe, *good, *extra]) == 2
         err = capsys.readouterr().err

@@ -87,12 +87,12 @@ def train_config(tmp_path: Path, model: Path) -> list[str]:
 def test_train_refuses_by_name_before_ray(broken, tmp_path, kind):
     import ray
 
-    from k3rl.rl.config import load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     started = ray.is_initialized()
     with pytest.raises(ConfigError) as e:
-        Trainer(load_config(None, train_config(tmp_path, broken[kind]), schema=TrainJobConfig))
+        Trainer(load_config(None, train_config(tmp_path, broken[kind]), schema=JobConfig))
     assert str(e.value).startswith(f"rl.model_path: {broken[kind]}") and EXPECTED[kind] in str(e.value)
     if kind == "nan":
         assert "training cannot start from them" in str(e.value)

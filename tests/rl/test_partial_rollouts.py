@@ -334,12 +334,12 @@ def test_staleness_bound_applies_to_the_oldest_sampled_token_of_a_partial_rollou
     (["rollout.partial_resume=keep"], "rollout.partial_resume.*reprefill, keep_state"),
 ])
 def test_partial_settings_are_checked_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, extra, message):
-    from k3rl.rl.config import ConfigError, load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     with pytest.raises(ConfigError, match=message):
         Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "bad") + extra,
-                            schema=TrainJobConfig))
+                            schema=JobConfig))
     assert not (tmp_path / "runs" / "bad").exists()
 
 
@@ -411,14 +411,14 @@ def test_held_groups_are_in_flight_and_a_killed_holder_has_them_collected_again(
 @pytest.mark.ray
 def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterrupted_run(ray_cluster, looper_dir,
                                                                                          task_files, tmp_path):
-    from k3rl.rl.config import load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     def items(name: str) -> list[str]:
         return overrides(tmp_path, looper_dir, task_files, name, mode="async", max_staleness=1, steps=6, save_every=2,
                          eval_every=3, max_new_tokens=16, max_turns=4) + ["rollout.partial_rounds=1"]
 
-    whole = read_metrics(Trainer(load_config(None, items("whole"), schema=TrainJobConfig)).train())
+    whole = read_metrics(Trainer(load_config(None, items("whole"), schema=JobConfig)).train())
 
     address = ray_cluster.get_runtime_context().gcs_address
     config = write_config(tmp_path / "job.yaml", items("killed") + [f"ray.address={address}"])
@@ -431,7 +431,7 @@ def test_driver_killed_with_partial_rollouts_in_flight_resumes_like_an_uninterru
     assert len(state["requeue"]) == 2
     before = {r["step"]: r for r in read_metrics(run_dir) if r["step"] <= k}
 
-    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config), "rl.resume=true"], cwd=REPO,
+    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.commands.train", str(config), "rl.resume=true"], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = read_metrics(run_dir)

@@ -67,10 +67,9 @@ def overrides(tmp_path, model_dir, task_files, name: str, **rl) -> list[str]:
 
 
 def job(*args, **rl):
-    from k3rl.rl.config import load_config
-    from k3rl.rl.orchestrator.trainer import TrainJobConfig
+    from k3rl.rl.config import JobConfig, load_config
 
-    return load_config(None, overrides(*args, **rl), schema=TrainJobConfig)
+    return load_config(None, overrides(*args, **rl), schema=JobConfig)
 
 
 def step_lines(run_dir: Path) -> list[int]:
@@ -232,19 +231,19 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
 def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
     """Settings only an environment, algorithm or engine understands are checked in the driver, before Ray
     starts or anything is written (they used to fail seconds later inside a Ray actor)."""
-    from k3rl.rl.config import ConfigError, load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     with pytest.raises(ConfigError) as e:
         Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "late") + [override],
-                            schema=TrainJobConfig))
+                            schema=JobConfig))
     assert message in str(e.value)
     assert not (tmp_path / "runs").exists()
 
 
 def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, tmp_path):
-    from k3rl.rl.config import ConfigError, load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     train, _ = task_files
     shaped = tmp_path / "shaped.jsonl"
@@ -255,7 +254,7 @@ def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, t
                           (latin, f"{latin}:1: not UTF-8 text")):
         items = overrides(tmp_path, tiny_qwen3_dir, task_files, "tasks") + [f"env.tasks_path={path}"]
         with pytest.raises(ConfigError) as e:
-            Trainer(load_config(None, items, schema=TrainJobConfig))
+            Trainer(load_config(None, items, schema=JobConfig))
         assert message in str(e.value)
     assert not (tmp_path / "runs").exists()
 
@@ -327,13 +326,13 @@ def test_learner_settings_from_the_recipe_reach_the_learner(ray_cluster, tiny_qw
     import yaml
     from safetensors import safe_open
 
-    from k3rl.rl.config import ConfigError, load_config
-    from k3rl.rl.orchestrator.trainer import Trainer, TrainJobConfig
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
 
     items = overrides(tmp_path, tiny_qwen3_dir, task_files, "muon", steps=1, eval_every=0, save_every=1) + [
         "learner.optimizer=muon", "learner.dtype=bfloat16", "learner.micro_batch_tokens=512",
         "learner.muon_momentum=0.9", "learner.weight_decay=0.01"]
-    run_dir = Trainer(load_config(None, items, schema=TrainJobConfig)).train()
+    run_dir = Trainer(load_config(None, items, schema=JobConfig)).train()
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())["learner"]
     assert (saved["optimizer"], saved["dtype"], saved["micro_batch_tokens"], saved["muon_momentum"]) == \
         ("muon", "bfloat16", 512, 0.9)
@@ -346,7 +345,7 @@ def test_learner_settings_from_the_recipe_reach_the_learner(ray_cluster, tiny_qw
     assert len(optim["optimizers"]) == 2  # AdamW and Muon
     with pytest.raises(ConfigError, match=r"config key 'learner.optimizer' got 'sgd' \(str\), expected one of adamw, muon"):
         Trainer(load_config(None, overrides(tmp_path, tiny_qwen3_dir, task_files, "bad") + ["learner.optimizer=sgd"],
-                            schema=TrainJobConfig))
+                            schema=JobConfig))
     assert not (tmp_path / "runs" / "bad").exists()
 
 
@@ -454,7 +453,7 @@ def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3
     assert max(r["step"] for r in logged) > k, "no step after the checkpoint was logged before the kill"
     before = {r["step"]: r for r in logged if r["step"] <= k}
 
-    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config), "rl.resume=true"], cwd=REPO,
+    resumed = subprocess.run([sys.executable, "-m", "k3rl.rl.commands.train", str(config), "rl.resume=true"], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {latest}" in resumed.stdout
@@ -486,9 +485,9 @@ def test_two_node_cluster_places_workers_on_both_nodes(tiny_qwen3_dir, task_file
         cluster.wait_for_nodes()
         try:
             import ray
-            from rl.config import load_config
-            from k3rl.rl.orchestrator.trainer import TrainJobConfig, Trainer
-            cfg = load_config(None, {items!r} + ["ray.address=" + cluster.address], schema=TrainJobConfig)
+            from k3rl.rl.config import JobConfig, load_config
+            from k3rl.rl.orchestrator.trainer import Trainer
+            cfg = load_config(None, {items!r} + ["ray.address=" + cluster.address], schema=JobConfig)
             placed = []
             def where(trainer, result):
                 placed.extend(ray.get([a.node_id.remote() for a in trainer.worker_actors]))
@@ -533,13 +532,13 @@ def test_short_run_with_vllm_engine(ray_cluster, tiny_qwen3_dir, task_files, tmp
 
 
 def kill_after_a_checkpoint(config: Path, run_dir: Path, log_path: Path) -> tuple[Path, dict]:
-    """Start `python -m k3rl.rl.orchestrator.trainer config`, kill -9 it once a checkpoint exists and a later step is already
+    """Start `python -m k3rl.rl.commands.train config`, kill -9 it once a checkpoint exists and a later step is already
     logged (so resume must cut metrics.jsonl back); the newest checkpoint and its trainer state."""
     from k3rl.rl import checkpoint as ckpt
 
     root = run_dir / "checkpoints"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config)], cwd=REPO, env=child_env(),
+        proc = subprocess.Popen([sys.executable, "-m", "k3rl.rl.commands.train", str(config)], cwd=REPO, env=child_env(),
                                 stdout=log, stderr=subprocess.STDOUT)
 
         def past_checkpoint() -> bool:

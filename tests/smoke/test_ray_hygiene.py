@@ -81,7 +81,7 @@ def test_a_killed_async_driver_leaves_no_ray_process_of_its_run(tiny_qwen3_dir, 
                       save_every=0, eval_every=0)
     config = write_config(tmp_path / "job.yaml", items)
     with open(tmp_path / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "k3rl.rl.orchestrator.trainer", str(config)], cwd=REPO, env=child_env(),
+        driver = subprocess.Popen([sys.executable, "-m", "k3rl.rl.commands.train", str(config)], cwd=REPO, env=child_env(),
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     session_dir = None
     try:

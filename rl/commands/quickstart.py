@@ -1,48 +1,19 @@
 """`k3rl quickstart [CONFIG] [key=value …]`: the main job (`make run`), from nothing to a policy
 that measurably learns, on the CPU in minutes.
 
-1. **init**: a random tiny K3 and its byte-level BPE tokenizer (`k3rl init`, the `model:` section).
-2. **sft**: a supervised warm start on demonstrations of the search environment (`k3rl sft`, the
-   `sft:` section) — it teaches the tool protocol, the task, and (on purpose, see below) a bad habit.
-3. **rl**: GRPO (`algo.name`) with the native engine on a local Ray cluster (`k3rl train`, the `rl:`
-   section). The trainer evaluates the held-out tasks greedily at step 0 — the SFT policy, i.e.
-   *before RL* — and after its last step, on the same tasks through the same workers.
+1. **init**: a random tiny K3 and its byte-level BPE tokenizer (the `model:` section, as `k3rl init`).
+2. **sft**: a supervised warm start on demonstrations (`run_sft`, rl/orchestrator/sft.py, the `sft:` section).
+3. **rl**: GRPO (`algo.name`) with the native engine on a local Ray cluster (`Trainer`,
+   rl/orchestrator/trainer.py, the `rl:` section), evaluating the held-out tasks at step 0 — the SFT policy,
+   i.e. *before RL* — and after its last step, on the same tasks through the same workers.
 4. **report**: success before and after RL with 95% Wilson intervals, the difference with its
    Newcombe (hybrid score) interval, answer F1 and reward before/after, `report.json` and
    `quickstart.png`.
 
-The default recipe (`configs/rl/quickstart.yaml`) asks "What colour is the rug kept by the
-sailor?" about a record hidden in a haystack of built-in Wikipedia passages, served behind
-`search` (`needle` with `serve=search`, `ask=colour`, no near miss); results show the sentence
-that best matches the query; the system message is the `minimal` tool list. Success is exact
-match; the reward is the environment's (0.9 × answer F1 + 0.1 × evidence recall).
-
-What RL has to improve. In 55% of the SFT demonstrations the teacher hedges its final answer
-("grey, I think": `sft.hedging_rate`, `sft.hedge`, `envs.teachers.HedgingPolicy`); the rest are the
-oracle's. The warm-started policy picks the habit up and hedges 42–100% of its held-out answers,
-which exact match rejects. Only the reward says the hedge is wrong (F1 0.5 for a hedged right
-colour, 1.0 for a bare one) and GRPO with a small KL anchor to the SFT policy unlearns it. This is
-the planted habit, not new knowledge: RL does not teach the model to read; with the 4-layer model
-it no longer costs reading either (share of answers holding the right colour before → after RL,
-seeds 0–3: 94 → 93%, 94 → 95%, 91 → 91%, 93 → 88%).
-
-What decides whether RL can show anything is SFT: the tiny model has to learn, in 120 steps, to copy
-the colour from the search result into its answer. Measured on a 2-core AVX2-only EPYC (issue 11),
-one run each, held-out share of answers holding the right colour after SFT (chance is 10%):
-* batch 8 (an earlier recipe): seed 0 read 25–52% depending on prompt and near miss; seed 1
-  never (6–9%) with the compact or the minimal prompt, lr 1.5e-3 or 5e-3, batch 4 × 200 steps, or
-  the loss on every token; seed 2 never (6%). When the model cannot read, no hedge removal moves
-  exact match, and 8 GRPO steps leave the hedge in place (0/100 → 0/100, the issue's report).
-* batch 16 (8 layers): seed 1 read 85% (loss 0.032), seed 0 84%: the gradient noise of batch 8 is
-  what kept the copying from forming — but the job took 11–15 minutes.
-* batch 16 with the tiny K3 cut to 4 layers (3 KDA + 1 MLA, the recipe's `model:` section): seed 1
-  94%, seed 2 91% (loss 0.027), at 1.7–1.8 s per step instead of 3.1–3.9; the whole job 7–8 minutes.
-* lr 2e-4 collapsed the tool format at step 3 with the 8-layer model (95% of episodes truncated);
-  lr 1e-4 left the hedge untouched after 8 steps; 1.5e-4 removes it.
-* `tool_prompt: minimal` (119 prompt tokens instead of 297) makes each SFT and learner step ~1.6×
-  cheaper; the near miss (`distractors: 1`) made reading harder still (25% vs 37% for seed 0).
-`bench/quickstart_seeds.py` runs the recipe over seeds and CPU code paths; bench/README.md has the
-table (every run so far beyond its interval).
+The SFT and RL phases run on copies of the job config built as the schema's dataclasses, each with its own
+run directory (`sft/`, `rl/`) and starting model. The default recipe (configs/rl/quickstart.yaml) plants a habit
+in SFT (hedged answers, which exact match rejects) that only the reward can remove; bench/README.md records
+what was measured while choosing it.
 
 Everything lands in one run directory, `run.output_dir/run.name` (a `-2`, `-3`, … suffix when it
 exists already): `init/`, `sft/` (model, demos, loss), `rl/` (checkpoints, metrics.jsonl,
@@ -55,7 +26,7 @@ import json
 import math
 import sys
 import time
-from copy import deepcopy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -257,12 +228,31 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     return lines + learned_lines(result) + advice_lines(result)
 
 
-def run_quickstart(cfg: Any) -> Path:
-    """Run the main job on a loaded `JobConfig`; returns the run directory."""
+def sft_job(cfg: Any, run_dir: Path, init_dir: Path) -> Any:
+    """The SFT phase's job: `cfg` with its run directory `run_dir/sft`, starting from the model in `init_dir`."""
     from omegaconf import OmegaConf
 
-    from k3rl.rl.commands.sft import init_model, run_sft
+    job = OmegaConf.to_object(cfg)
+    return OmegaConf.structured(replace(job, run=replace(job.run, output_dir=str(run_dir), name="sft"),
+                                        sft=replace(job.sft, model_dir=str(init_dir))))
+
+
+def rl_job(cfg: Any, run_dir: Path, sft_model: Path) -> Any:
+    """The RL phase's job: `cfg` with its run directory `run_dir/rl`, starting from the SFT model, and evaluating
+    at the last step at least (`eval.every` = `rl.steps` when it is 0 or beyond the last step)."""
+    from omegaconf import OmegaConf
+
+    job = OmegaConf.to_object(cfg)
+    every = job.eval.every if 0 < job.eval.every <= job.rl.steps else job.rl.steps
+    return OmegaConf.structured(replace(job, run=replace(job.run, output_dir=str(run_dir), name="rl"),
+                                        rl=replace(job.rl, model_path=str(sft_model)),
+                                        eval=replace(job.eval, every=every)))
+
+
+def run_quickstart(cfg: Any) -> Path:
+    """Run the main job on a loaded `JobConfig`; returns the run directory."""
     from k3rl.rl.config import ConfigError
+    from k3rl.rl.orchestrator.sft import init_model, run_sft
     from k3rl.rl.orchestrator.trainer import Trainer
 
     sft = cfg.sft
@@ -285,21 +275,11 @@ def run_quickstart(cfg: Any) -> Path:
     init_dir = init_model(cfg.model, run_dir / "init", cfg.run.seed)
 
     _phase("2/4 sft: warm start on oracle demonstrations", started)
-    sft_cfg = deepcopy(cfg)
-    OmegaConf.update(sft_cfg, "run.output_dir", str(run_dir))
-    OmegaConf.update(sft_cfg, "run.name", "sft")
-    OmegaConf.update(sft_cfg, "sft.model_dir", str(init_dir))
-    sft_model = run_sft(sft_cfg)
+    sft_model = run_sft(sft_job(cfg, run_dir, init_dir))
 
     _phase("3/4 rl: GRPO on a local Ray cluster (held-out evaluation at step 0 = before RL, and at the end)",
            started)
-    rl_cfg = deepcopy(cfg)
-    OmegaConf.update(rl_cfg, "run.output_dir", str(run_dir))
-    OmegaConf.update(rl_cfg, "run.name", "rl")
-    OmegaConf.update(rl_cfg, "rl.model_path", str(sft_model))
-    if rl_cfg.eval.every <= 0 or rl_cfg.eval.every > rl_cfg.rl.steps:
-        OmegaConf.update(rl_cfg, "eval.every", rl_cfg.rl.steps)
-    trainer = Trainer(rl_cfg)
+    trainer = Trainer(rl_job(cfg, run_dir, sft_model))
     rl_dir = trainer.train()
 
     _phase("4/4 report", started)

@@ -4,7 +4,7 @@ fit, each measurement in a fresh process so the peaks do not mix.
 
 For every stage of the climb config (default configs/pretrain/cpu.yaml: the tiny K3 with RoPE on its MLA layers,
 512 → 2K → 8K → 32K): the random model of the config's `model:` section (built once, seed 0), the stage's learner
-(`rl.pretrain.stages.learner_config`: its rate, schedule, RoPE base) and the stage's packed rows (rl/pretrain/data.py
+(`rl.pretrain.stages.learner_config`: its rate, schedule, RoPE base) and the stage's packed rows (rl/pretrain/packing.py
 `PackedRows` of the stage's length and mixture, seed 0, held-out documents excluded — what `k3rl pretrain` trains
 on). One measured step holds the stage's rows per optimizer step, capped at `--tokens-per-step` tokens (at least
 one row); 1 warm-up step, then `--steps` timed steps (rows of the next steps); the table gives the median.
@@ -62,7 +62,7 @@ def stores_of(cfg, tokenizer) -> dict:
     """Every source's token cache (built now if missing: the children then only open it)."""
     from k3rl.envs.sources import data_dir
     from k3rl.rl.pretrain.climb import sources_of
-    from k3rl.rl.pretrain.data import build_store
+    from k3rl.rl.pretrain.token_cache import build_store
 
     return {name: build_store(name, src, tokenizer, data_dir() / "pretrain") for name, src in sources_of(cfg).items()}
 
@@ -70,7 +70,7 @@ def stores_of(cfg, tokenizer) -> dict:
 def packed_rows(cfg, stores: dict, index: int, seq_len: int):
     """The driver's rows of stage `index` (rl/pretrain/climb.py `Climb.run_stage`), at `seq_len` tokens, seed 0."""
     from k3rl.rl.pretrain import stages as st
-    from k3rl.rl.pretrain.data import PackedRows
+    from k3rl.rl.pretrain.packing import PackedRows
 
     pre = cfg.pretrain
     heldout = {}

@@ -54,7 +54,7 @@ class Trajectory:
     routed_experts: np.ndarray | None = None
     """[N, moe_layers, top_k] int16 expert ids chosen for each token (routing replay), or None."""
     position_ids: np.ndarray | None = None
-    """[N] int32 positions restarting at 0 at each packed document (pretraining rows, rl/pretrain/data.py): each
+    """[N] int32 positions restarting at 0 at each packed document (pretraining rows, rl/pretrain/packing.py): each
     document is computed as if alone; None: one sequence, positions 0 … N−1. Not a Parquet column: packed rows
     are rebuilt from the data order, never stored."""
 

@@ -15,7 +15,7 @@ OptimizerHandoff = StrEnum("OptimizerHandoff", {"keep": "keep", "reset": "reset"
 
 @dataclass
 class DataSource:
-    """One pretraining corpus (rl/pretrain/data.py): read (every local file checked before any work: a bad one
+    """One pretraining corpus (rl/pretrain/sources.py, token_cache.py): read (every local file checked before any work: a bad one
     is `path:line: what is wrong`), its control-token strings neutralised, tokenized once and cached."""
 
     path: str = "wiki"

@@ -2,8 +2,8 @@
 
 `Climb` composes
 - rl/pretrain/stages.py: each stage of `pretrain.stages` as the learner's settings, checked before any work;
-- rl/pretrain/data.py: the corpora of `pretrain.sources` read, tokenized once into an
-  on-disk cache, packed into rows of the stage's length with document boundaries kept (positions restart, a
+- rl/pretrain/sources.py, token_cache.py, packing.py: the corpora of `pretrain.sources` read, tokenized once into
+  an on-disk cache, packed into rows of the stage's length with document boundaries kept (positions restart, a
   document's first token is never predicted from the one before) — row r of stage s is a pure function of (seed, s, r);
 - rl/train/learner.py: the learner of RL and SFT with the `nll` objective (rl/algos/nll.py): packed rows run as
   separate documents, a document longer than the stage's segment runs segment by segment (rl/train/segments.py);
@@ -62,9 +62,9 @@ def model_config(cfg: Any):
 def sources_of(cfg: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from k3rl.rl.pretrain.data import default_sources
+    from k3rl.rl.pretrain.sources import default_sources
 
-    # as DataSource dataclasses (what rl/pretrain/data.py takes), not config nodes
+    # as DataSource dataclasses (what rl/pretrain/token_cache.py takes), not config nodes
     return OmegaConf.to_object(cfg.pretrain.sources) if cfg.pretrain.sources else default_sources()
 
 
@@ -77,7 +77,7 @@ def check(cfg: Any) -> tuple[Any, list[str]]:
     config = model_config(cfg)
     notes = st.check_stages(cfg, config, sources_of(cfg))
     from k3rl.envs.sources import data_dir
-    from k3rl.rl.pretrain.data import check_sources
+    from k3rl.rl.pretrain.token_cache import check_sources
 
     # every data file read through (not tokenized) before anything is written
     check_sources(sources_of(cfg), data_dir() / "pretrain")
@@ -162,7 +162,7 @@ class Climb:
     def load_data(self, tokenizer: Any) -> None:
         """Every source tokenized (once, cached) and the held-out documents chosen."""
         from k3rl.envs.sources import CorpusError, data_dir
-        from k3rl.rl.pretrain.data import build_store
+        from k3rl.rl.pretrain.token_cache import build_store
 
         cache = data_dir() / "pretrain"
         for name, source in sources_of(self.cfg).items():
@@ -181,7 +181,7 @@ class Climb:
             self.heldout = {name: self.stores[name].split_heldout(pre.heldout_docs, self.cfg.run.seed)}
 
     def heldout_docs(self):
-        from k3rl.rl.pretrain.data import heldout_documents
+        from k3rl.rl.pretrain.token_cache import heldout_documents
 
         return [d for name, ids in self.heldout.items() for d in heldout_documents(self.stores[name], ids)]
 
@@ -227,7 +227,7 @@ class Climb:
         from k3rl.rl import checkpoint as ckpt
         from k3rl.rl.metrics import MetricsLogger, read_metrics
         from k3rl.rl.pretrain.climb_report import bucket_name, plot_stage_loss, position_loss
-        from k3rl.rl.pretrain.data import PackedRows
+        from k3rl.rl.pretrain.packing import PackedRows
 
         cfg, pre = self.cfg, self.cfg.pretrain
         stage = pre.stages[index]

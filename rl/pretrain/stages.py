@@ -2,7 +2,7 @@
 
 A stage (`pretrain.stages[i]`, rl/config.py `StageConfig`) trains the next-token objective (rl/algos/nll.py) on
 the learner of RL and SFT (rl/train/learner.py) at one sequence length: `steps` optimizer steps of `rows` packed rows
-of `seq_len` tokens (rl/pretrain/data.py), at its own learning-rate schedule, RoPE base and data mixture, starting
+of `seq_len` tokens (rl/pretrain/packing.py), at its own learning-rate schedule, RoPE base and data mixture, starting
 from the previous stage's final checkpoint. This module turns a stage into the learner's settings
 (`learner_config`), names its run directory (`stage_dir`) and refuses a stage list that cannot run
 (`check_stages`) — lengths not increasing, zero tokens, a length above the model's maximum, … — with the key that

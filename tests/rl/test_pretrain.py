@@ -37,7 +37,7 @@ def rope_dir(tmp_path_factory) -> Path:
 
 
 def packed(docs: list[np.ndarray]) -> Trajectory:
-    """The documents laid end to end as one row, positions restarting at each (rl/pretrain/data.py's layout)."""
+    """The documents laid end to end as one row, positions restarting at each (rl/pretrain/packing.py's layout)."""
     tokens = np.concatenate(docs).astype(np.int32)
     positions = np.concatenate([np.arange(len(d)) for d in docs]).astype(np.int32)
     return row(tokens, positions)

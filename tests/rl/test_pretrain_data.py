@@ -1,4 +1,5 @@
-"""rl/pretrain/data.py: sources → token cache (built once, rebuilt on change) → packed rows (a pure function of r).
+"""rl/pretrain/sources.py, token_cache.py, packing.py: sources → token cache (built once, rebuilt on change) → packed
+rows (a pure function of r).
 
 Reading tests use a small byte-level BPE trained here and compare decoded text; packing tests use `IntTokenizer`
 ("10 11 12" → [10, 11, 12]), whose token values say which document and position they are.
@@ -16,8 +17,10 @@ import pytest
 
 from k3rl.envs.sources import CorpusFileNotFoundError, CorruptCorpusError, builtin_checksum, builtin_texts, data_dir
 from k3rl.rl.config import DataSource
-from k3rl.rl.pretrain import data as pd
-from k3rl.rl.pretrain.data import PackedRows, build_store, default_sources, heldout_documents
+from k3rl.rl.pretrain import token_cache
+from k3rl.rl.pretrain.packing import PackedRows
+from k3rl.rl.pretrain.sources import default_sources
+from k3rl.rl.pretrain.token_cache import build_store, heldout_documents
 
 EOS = 2
 BASE, STRIDE = 10, 200
@@ -78,8 +81,8 @@ def test_default_sources():
 def test_cache_is_built_once_and_rebuilt_when_the_file_or_tokenizer_changes(tmp_path, tok, monkeypatch):
     """The second build reads the cache (no tokenization); a changed file or tokenizer gets a new cache."""
     calls = []
-    write_tokens = pd._write_tokens
-    monkeypatch.setattr(pd, "_write_tokens", lambda *a, **k: calls.append(1) or write_tokens(*a, **k))
+    write_tokens = token_cache._write_tokens
+    monkeypatch.setattr(token_cache, "_write_tokens", lambda *a, **k: calls.append(1) or write_tokens(*a, **k))
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "first document"}, {"text": "second one"}])
     cache = tmp_path / "cache"
     reports = []

@@ -1,4 +1,4 @@
-"""Pretraining data is untrusted input (rl/pretrain/data.py).
+"""Pretraining data is untrusted input (rl/pretrain/sources.py, token_cache.py).
 
 - A document full of control-token strings (every special token of the tokenizer and the tool markers) never
   becomes control ids: in the cache and in the packed rows the only control id is the EOS the packer writes after
@@ -24,7 +24,8 @@ import pytest
 from k3rl.envs.sources import CorpusError, builtin_texts
 from k3rl.model.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
 from k3rl.rl.config import ConfigError, DataSource
-from k3rl.rl.pretrain.data import PackedRows, build_store, check_sources
+from k3rl.rl.pretrain.packing import PackedRows
+from k3rl.rl.pretrain.token_cache import build_store, check_sources
 from k3rl.rollout.chat import WORD_JOINER
 
 REPO = Path(__file__).parents[2]

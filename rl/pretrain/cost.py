@@ -4,7 +4,7 @@ FLOPs. Forward per token = 2 × the active parameters without the input embeddin
 routed experts), plus what the parameters do not show:
   * MLA, causal attention at length T: scores and values over T/2 earlier keys on average, 2 · T/2 · H · (d_qk + d_v)
     per token and layer (the expanded form the learner trains with, d_qk = qk_nope + qk_rope);
-  * KDA, per token and head: 6d² + 10Cd + ⅔C² with d the head dim and C = 64 the chunk.
+  * KDA, per token and head: 6d² + 10Cd + ⅔C² with d the head dim and C = 64 the chunk (docs/performance.md).
 Training = 3 × forward; a stage trained segment by segment runs one more forward (rl/pretrain/plan.py counts it).
 
 Activation memory: the bytes autograd saves for backward during one micro-batch, counted per token and layer for

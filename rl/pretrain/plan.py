@@ -1,6 +1,6 @@
 """The cost of a staged pretraining run, computed without running it: what `k3rl pretrain CONFIG --plan` prints.
 
-For every stage of `pretrain.stages` (rl/config.py `StageConfig`): the token budget rounded up to whole optimizer
+For every stage of `pretrain.stages` (rl/config/pretrain.py `StageConfig`): the token budget rounded up to whole optimizer
 steps, the steps and rows, the training FLOPs and the activations of one micro-batch (rl/pretrain/cost.py: rows
 per micro-batch = `learner.micro_batch_tokens // seq_len`, at least 1, at most the rank's rows of a step and
 `learner.micro_batch_seqs`), the weights, gradients and optimizer states (rl/pretrain/param_memory.py) and the
@@ -45,13 +45,13 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor core (1,979 with 2:4 sparsity), 80 GB HBM3.
     "h100": GPU("h100", 989e12, 80 * GiB, "cuda", "H100 SXM datasheet: 989 TFLOP/s dense bf16, 80 GB"),
     # NVIDIA H200 SXM datasheet: same compute as H100 (989 TFLOP/s dense BF16), 141 GB HBM3e; ~790 TFLOP/s measured
-    # on a bf16 dense GEMM here (docs PERFORMANCE.md), so an MFU of 0.35 of peak is ~0.44 of what a GEMM reaches.
+    # on a bf16 dense GEMM on this project's H200, so an MFU of 0.35 of peak is ~0.44 of what a GEMM reaches.
     "h200": GPU("h200", 989e12, 141 * 10**9, "cuda", "H200 SXM datasheet: 989 TFLOP/s dense bf16 (~790 measured), "
                 "141 GB"),
     # NVIDIA HGX B200 datasheet: 36 PFLOP/s FP16/BF16 for 8 GPUs with 2:4 sparsity → 2.25 PFLOP/s dense BF16 per GPU;
     # 192 GB HBM3e per GPU.
     "b200": GPU("b200", 2.25e15, 192 * 10**9, "cuda", "B200 (HGX B200 datasheet): 2.25 PFLOP/s dense bf16, 192 GB"),
-    # This machine: 2 Zen 4 cores, sgemm ≈ 190 GFLOP/s fp32 on both (docs PERFORMANCE.md), 24 GiB of memory.
+    # This machine: 2 Zen 4 cores, sgemm ≈ 190 GFLOP/s fp32 on both (docs/performance.md), 24 GiB of memory.
     "cpu-2core": GPU("cpu-2core", 190e9, 24 * GiB, "cpu", "this machine: 2 cores, ≈ 190 GFLOP/s fp32 sgemm, 24 GiB"),
 }
 

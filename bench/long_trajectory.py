@@ -90,7 +90,7 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     """One learner step in this process: seconds, peak RSS (GiB), and the floor's seconds."""
     import torch
 
-    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.formats.save import save_model
     from k3rl.model.modeling import K3ForCausalLM
     from k3rl.rl.train.learner import Learner, LearnerConfig
 

@@ -52,7 +52,7 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0,
     Raises ValueError if `out_dir` exists and is not empty, or the weights do not fit in memory."""
     import torch
 
-    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.formats.save import save_model
     from k3rl.model.modeling import K3ForCausalLM
 
     out_dir = Path(out_dir)

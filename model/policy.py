@@ -45,14 +45,16 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     manifest when it has one, and NaN/±inf weights are a `NonFiniteWeightsError` naming the tensors unless
     `allow_nonfinite` (model/formats/integrity.py)."""
     from k3rl.model.formats import integrity
-    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats.config_json import is_k3_dir
+    from k3rl.model.formats.layouts import CONFIG_FILE
+    from k3rl.model.formats.load import load_model
     from k3rl.model.formats.trust import check_remote_code
 
     path = Path(path)
-    if hf_layout.is_k3_dir(path):  # K3 has no dropout
-        return Policy(hf_layout.load_model(path, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite))
+    if is_k3_dir(path):  # K3 has no dropout
+        return Policy(load_model(path, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite))
     integrity.verify_model_dir(path)
-    if not (path / hf_layout.CONFIG_FILE).is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -94,8 +94,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, **kwargs) 
     config.json names k3rl's remote model code, which a tokenizer never needs: `kimi_k3_config_registered`
     keeps transformers from asking about it. A directory with a `COMPLETE` manifest is verified first
     (model/formats/integrity.py; hashed once per process)."""
+    from k3rl.model.formats.config_json import kimi_k3_config_registered
     from k3rl.model.formats.integrity import verify_model_dir
-    from k3rl.model.formats.layouts import kimi_k3_config_registered
     from k3rl.model.formats.trust import check_remote_code
 
     verify_model_dir(path)

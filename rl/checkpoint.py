@@ -222,21 +222,21 @@ class CheckpointManager:
 
 def check_model_path(key: str, path: str | Path, *, trains: bool = False, allow_nonfinite: bool = False,
                      weights: bool = True) -> None:
-    """A command's check of a model directory before any work (model/formats/layouts.py `check_model_dir`: the manifest
+    """A command's check of a model directory before any work (model/formats/load.py `check_model_dir`: the manifest
     when there is one, shard set, names, shapes, dtypes, finite values; one tensor in memory at a time): any
     failure is a ConfigError naming `key`, the directory and the file or tensor, which the commands exit 2 with.
 
     `trains`: the model is trained, so NaN/inf weights are refused whatever `allow_nonfinite` says. `weights=False`:
     only the manifest (a directory used for its tokenizer)."""
     from k3rl.model.formats import integrity
-    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats.load import check_model_dir
     from k3rl.rl.config import ConfigError
 
     try:
         if not weights:
             integrity.verify_model_dir(path)
             return
-        hf_layout.check_model_dir(path, allow_nonfinite=allow_nonfinite and not trains,
+        check_model_dir(path, allow_nonfinite=allow_nonfinite and not trains,
                                   hint=integrity.TRAINING if trains else integrity.OVERRIDE)
     except (OSError, ValueError, CheckpointError) as e:
         raise ConfigError(f"{key}: {e}") from None

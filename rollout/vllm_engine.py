@@ -47,12 +47,12 @@ def k3_layout(config: dict) -> str | None:
 def released_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
                      layout: str | None) -> list[tuple[str, torch.Tensor]]:
     """Learner names → the names vLLM loads: for a K3 `layout`, k3rl's internal state-dict names become the
-    layout's released ones (model/formats/layouts.py `to_released_names`: experts per expert, `language_model.` for
+    layout's released ones (model/formats/names.py `to_released_names`: experts per expert, `language_model.` for
     kimi_k3, `model.patch_embed.*` left out; any other name is refused, naming it); other models pass as they
     are."""
     if layout is None:
         return list(named_tensors)
-    from k3rl.model.formats.layouts import to_released_names
+    from k3rl.model.formats.names import to_released_names
 
     return list(to_released_names(dict(named_tensors), layout).items())
 

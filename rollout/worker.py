@@ -81,7 +81,8 @@ def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str
     if engine_args.get("reuse_state") is False:
         raise ValueError("rollout.partial_resume=keep_state continues the native engine's session states, which "
                          "rollout.engine_args.reuse_state=false turns off")
-    from k3rl.model.formats.layouts import MODEL_TYPES, model_type_of
+    from k3rl.model.formats.config_json import model_type_of
+    from k3rl.model.formats.layouts import MODEL_TYPES
 
     model_type = model_type_of(model_dir)
     if model_type not in MODEL_TYPES:  # any K3 layout (model/formats/layouts.py)

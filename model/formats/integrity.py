@@ -1,7 +1,7 @@
 """Is a model directory intact? The `COMPLETE` manifest of a saved directory, and the checks one without it allows.
 
 A model directory is untrusted input: a downloaded checkpoint, or one of this toolkit's own whose bytes changed
-on disk. Every k3rl loader (model/formats/layouts.py `load_model`, model/policy.py `load_policy`, the tokenizer and
+on disk. Every k3rl loader (model/formats/load.py `load_model`, model/policy.py `load_policy`, the tokenizer and
 engine loaders) calls `verify_model_dir` first, so every load is checked, not only a resume.
 
 - **With a manifest** (`COMPLETE`, written last by rl/checkpoint.py `atomic_dir`: relative path → size and SHA-256
@@ -17,10 +17,10 @@ engine loaders) calls `verify_model_dir` first, so every load is checked, not on
 - **Every directory**, with a manifest or without, is then checked for what can be checked — for one without a
   manifest (a released-layout directory from elsewhere) that is all there is, as nothing says what its bytes
   should be: the index's shard set equals the `*.safetensors` files beside it (`check_shard_set`), every
-  tensor's name, shape and dtype against config.json (model/formats/layouts.py `_check_tensors`, `_check_dtypes`;
+  tensor's name, shape and dtype against config.json (model/formats/load.py `_check_tensors`, `_check_dtypes`;
   K3 directories), safetensors headers that parse and data of the size they declare, and finite values
   (`nonfinite_tensors`: every floating tensor is scanned in full, one min/max pass, 0.2–0.3 s per GB of float32
-  or bfloat16 on the CI box; the drivers' streaming `scan_weight_files` reads and scans at ~0.2 s per GB from
+  or bfloat16 on the CI box; the drivers' streaming model/formats/weight_files.py `scan_weight_files` reads and scans at ~0.2 s per GB from
   the page cache).
   A flipped data byte is caught when it makes a value NaN/±inf (an exponent byte turned all-ones) and missed when
   it makes another finite value: most single-bit flips of a mantissa or sign, or of an exponent bit that keeps
@@ -227,86 +227,6 @@ def refuse_nonfinite(bad: list[tuple[str, int]], source: Any, allow: bool = Fals
     raise NonFiniteWeightsError(what + (f"; {hint}" if hint else ""))
 
 
-def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[tuple[str, int]]]:
-    """(every tensor of the directory's weight files as a meta tensor — shape and dtype, an MXFP4 pair as the
-    bfloat16 `….weight` it decodes to —, (name in file, count) of each tensor holding NaN/±inf), reading one tensor
-    at a time: a driver checks a directory this way before handing it to workers, without holding the model.
-
-    The files are the index's shards (inside the directory, model/formats/trust.py) plus k3rl's patch file, or every
-    `*.safetensors` without an index; an unreadable or truncated file, or a tensor the index maps to a file that
-    lacks it, is a ValueError naming the file. An MXFP4 scale byte 255 (E8M0 NaN) counts its 32 values."""
-    from safetensors import SafetensorError, safe_open
-
-    from k3rl.model.formats.trust import inside
-    from k3rl.model.formats.weight_files import INDEX_NAME, PATCH_EMBED_FILE, read_index
-
-    directory = Path(directory)
-    weight_map = read_index(directory)
-    if weight_map is None:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    else:
-        files = sorted(set(weight_map.values())) + [PATCH_EMBED_FILE] * (directory / PATCH_EMBED_FILE).is_file()
-    meta: dict[str, torch.Tensor] = {}
-    bad: list[tuple[str, int]] = []
-    if not files:
-        _scan_pickled_weights(directory, meta, bad)
-    for fname in files:
-        path = inside(directory, fname, f"{directory}: weight file")
-        if not path.is_file():
-            raise FileNotFoundError(f"{directory}: {fname} is listed in {INDEX_NAME} but missing")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys = set(f.keys())
-                lacking = sorted(n for n, file in (weight_map or {}).items() if file == fname and n not in keys)
-                if lacking:
-                    raise ValueError(f"{directory}: tensor {lacking[0]} is mapped to {fname} by {INDEX_NAME} but "
-                                     f"that file lacks it")
-                for name in sorted(keys):
-                    t = f.get_tensor(name)
-                    n = count_nonfinite(t)
-                    if name.endswith(".weight_scale") and t.dtype == torch.uint8:
-                        n = 32 * int((t == 255).sum())
-                    if n:
-                        bad.append((f"{name} in {fname}", n))
-                    meta[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    del t
-        except SafetensorError as e:
-            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-    for name in [n for n in meta if n.endswith(".weight_packed")]:
-        module = name.removesuffix(".weight_packed")
-        packed = meta.pop(name)
-        meta.pop(module + ".weight_scale", None)
-        meta[module + ".weight"] = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.bfloat16,
-                                               device="meta")
-    return meta, bad
-
-
-def _scan_pickled_weights(directory: Path, meta: dict[str, torch.Tensor], bad: list[tuple[str, int]]) -> None:
-    """`scan_weight_files` for an HF directory with PyTorch pickles only (`pytorch_model*.bin`, older
-    checkpoints): read as transformers reads them, tensors only (`weights_only`: no pickled code runs),
-    memory-mapped where the file allows."""
-    from k3rl.model.formats.trust import inside
-
-    for path in sorted(directory.glob("pytorch_model*.bin")):
-        inside(directory, path.name, f"{directory}: weight file")
-        try:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:
-                # the legacy (pre-zip) format cannot be memory-mapped
-                state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # any unreadable pickle: name the file
-            raise ValueError(f"{path}: not a readable PyTorch weight file ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-            raise ValueError(f"{path}: not a state dict of tensors")
-        for name, t in sorted(state.items()):
-            if n := count_nonfinite(t):
-                bad.append((f"{name} in {path.name}", n))
-            meta[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        del state
-
-
 __all__ = ["COMPLETE", "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError",
            "NonFiniteWeightsError", "OVERRIDE", "TRAINING", "check_shard_set", "count_nonfinite", "file_manifest",
-           "nonfinite_tensors", "refuse_nonfinite", "scan_weight_files", "sha256_file", "verify", "verify_model_dir"]
+           "nonfinite_tensors", "refuse_nonfinite", "sha256_file", "verify", "verify_model_dir"]

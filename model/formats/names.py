@@ -11,6 +11,9 @@ Hugging Face tool name them one tensor per expert, `….experts.{e}.w{1,2,3}.wei
   checkpoints written before the experts were stacked load unchanged, and new ones are per expert;
 - raw state dicts (the learner reading its own safetensors, weights sent to an engine that expects
   Hugging Face names): `stack_experts` and `split_experts`.
+
+The released layouts' names on top of that (model/formats/layouts.py): `to_released_names` (the `language_model.`
+prefix of kimi_k3; k3rl's patch weights, `native_weights`, left to their own file) and `from_released_names`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
+
+from k3rl.model.formats.layouts import LAYOUTS, NATIVE_PREFIX, TEXT_PREFIX, CheckpointError
 
 PROJECTIONS = ("w1", "w2", "w3")
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
@@ -74,4 +79,48 @@ def register_expert_conversion(model_type: str) -> None:
     ], overwrite=True)
 
 
-__all__ = ["PROJECTIONS", "register_expert_conversion", "split_experts", "stack_experts"]
+def _released_name(name: str, layout: str) -> str:
+    if not name.startswith(("model.", "lm_head.")):
+        raise ValueError(f"{name}: not a K3ForCausalLM state-dict name")
+    return TEXT_PREFIX + name if layout == "kimi_k3" else name
+
+
+def to_released_names(state_dict: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Internal state dict → the tensors of the released layout: routed experts per expert (views), the
+    `language_model.` prefix for kimi_k3. k3rl's own patch weights (`model.patch_embed.*`, `native_weights`)
+    are left out: they are written to `PATCH_FILE`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: must be kimi_linear or kimi_k3, got {layout!r}")
+    return {_released_name(n, layout): t for n, t in split_experts(state_dict.items())
+            if not n.startswith(NATIVE_PREFIX)}
+
+
+def native_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """k3rl's own image-patch weights (no released counterpart), under their internal names."""
+    return {n: t for n, t in state_dict.items() if n.startswith(NATIVE_PREFIX)}
+
+
+def from_released_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Released tensors (kimi_linear, or kimi_k3 with `language_model.model.layers.` or `language_model.layers.`)
+    → the internal state dict (experts stacked). `model.patch_embed.*` passes unchanged. A mix of the two
+    layouts' names, a name that is not a text tensor, or a tensor given twice is refused, naming it."""
+    prefixed = next((n for n in tensors if n.startswith(TEXT_PREFIX)), None)
+    plain = next((n for n in tensors if not n.startswith((TEXT_PREFIX, NATIVE_PREFIX))), None)
+    if prefixed is not None and plain is not None:
+        raise CheckpointError(f"tensor names mix the kimi_k3 layout ({prefixed}) and the kimi_linear one ({plain})")
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for name, t in tensors.items():
+        rest = name.removeprefix(TEXT_PREFIX) if prefixed is not None else name
+        if rest.startswith("layers."):
+            rest = "model." + rest
+        if not rest.startswith(("model.", "lm_head.")):
+            raise CheckpointError(f"{name}: not a tensor of the K3 text model")
+        if rest in out:
+            raise CheckpointError(f"{name}: the same tensor as {origin[rest]} (both spellings given)")
+        out[rest], origin[rest] = t, name
+    return stack_experts(out)
+
+
+__all__ = ["PROJECTIONS", "from_released_names", "native_weights", "register_expert_conversion", "split_experts",
+           "stack_experts", "to_released_names"]

@@ -9,7 +9,7 @@ A model directory is untrusted input (a downloaded checkpoint). Two rules, used 
   `trust_remote_code=False`, so nothing is imported either way. The `auto_map` of a K3 directory's config.json
   (model/formats/layouts.py `MODEL_TYPES`, e.g. k3rl's own copies of model/formats/remote/*.py) is not a request: k3rl reads
   those directories natively and never imports their code. Tokenizer code files (`*.py`) are copied on (export,
-  checkpoints: model/formats/layouts.py `copy_tokenizer`) only with the opt-in.
+  checkpoints: model/formats/save.py `copy_tokenizer`) only with the opt-in.
 - **Paths** (`inside`): a file a directory names (an index's shard, a side file, a tokenizer file) must resolve
   inside it — no absolute path, no `..` out of it, no symlink leading out; otherwise a `PathEscapeError` naming
   who named it and the path.
@@ -18,8 +18,11 @@ A model directory is untrusted input (a downloaded checkpoint). Two rules, used 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
+
+from k3rl.model.formats.layouts import MODEL_TYPES
 
 OPT_IN = "run.trust_remote_code=true (k3rl export: --trust-remote-code)"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -53,8 +56,6 @@ def remote_code_requests(directory: str | Path, *, model: bool = True) -> list[s
     The tokenizer's (tokenizer_config.json's `auto_map`, config.json's `AutoTokenizer` entry) always count; the
     model's (config.json's other entries) when `model`. A K3 directory's config.json asks for nothing (k3rl
     reads it natively)."""
-    from k3rl.model.formats.layouts import MODEL_TYPES, model_type_of
-
     directory = Path(directory)
     found = []
     tok_map = _auto_map(directory / TOKENIZER_CONFIG)
@@ -63,9 +64,10 @@ def remote_code_requests(directory: str | Path, *, model: bool = True) -> list[s
     config_map = _auto_map(directory / CONFIG)
     if isinstance(config_map, dict) and config_map:
         try:
-            native = model_type_of(directory) in MODEL_TYPES
+            raw = read_json(directory / CONFIG)
         except ValueError:
-            native = False
+            raw = None
+        native = isinstance(raw, dict) and raw.get("model_type") in MODEL_TYPES
         if not native:
             found += _describe(directory / CONFIG, {k: v for k, v in config_map.items()
                                                     if model or k == "AutoTokenizer"}, None)
@@ -94,6 +96,16 @@ def check_remote_code(directory: str | Path, allowed: bool, *, model: bool = Tru
     return bool(allowed)
 
 
+def read_json(path: Union[str, os.PathLike], what: str = "cannot read") -> object:
+    """A JSON file of a model directory (untrusted): anything unreadable is a ValueError naming the file — not
+    UTF-8, not JSON, an integer past Python's digit limit, nesting too deep for the parser."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: {what} ({why})") from None
+
+
 def inside(directory: str | Path, name: Any, named_by: str) -> Path:
     """`directory / name`, refused unless it resolves inside `directory` (symlinks followed). `named_by` says who
     named the path (e.g. "model.safetensors.index.json: tensor lm_head.weight"), for the error."""
@@ -117,5 +129,5 @@ def _roots(directory: Path) -> list[Path]:
     return [root]
 
 
-__all__ = ["OPT_IN", "PathEscapeError", "RemoteCodeError", "check_remote_code", "inside",
+__all__ = ["OPT_IN", "PathEscapeError", "RemoteCodeError", "check_remote_code", "inside", "read_json",
            "remote_code_requests"]

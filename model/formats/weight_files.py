@@ -20,6 +20,9 @@ names outside the directory (model/formats/trust.py), a shard the index lists bu
 index maps to a shard that lacks it, a truncated or corrupt file, packed weights
 without their scales, any other quantization method or format.
 
+`scan_weight_files` reads every tensor once, one at a time, for a driver's check before any load (shapes, dtypes
+and the count of non-finite values, model/formats/integrity.py), without holding the model.
+
 Writing deletes shards of an earlier write (`model-*-of-*.safetensors` not written now) and a
 `model.safetensors`: transformers prefers that single file to an index, so a stale one would be loaded
 instead of the new weights.
@@ -40,8 +43,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from k3rl.model.formats import mxfp4
-from k3rl.model.formats.integrity import NonFiniteWeightsError
-from k3rl.model.formats.trust import inside
+from k3rl.model.formats.integrity import NonFiniteWeightsError, count_nonfinite
+from k3rl.model.formats.trust import inside, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 PATCH_EMBED_FILE = "k3rl_patch_embed.safetensors"
@@ -199,16 +202,6 @@ def read_weights(directory: PathLike, dtype: Optional[torch.dtype] = None) -> di
     return weights
 
 
-def read_json(path: PathLike, what: str = "cannot read") -> object:
-    """A JSON file of a model directory (untrusted): anything unreadable is a ValueError naming the file — not
-    UTF-8, not JSON, an integer past Python's digit limit, nesting too deep for the parser."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
-        raise ValueError(f"{path}: {what} ({why})") from None
-
-
 def read_index(directory: PathLike) -> Optional[dict[str, str]]:
     """The `weight_map` (tensor → file) of the directory's `model.safetensors.index.json`, None without one.
 
@@ -281,3 +274,76 @@ def _quantization_config(directory: Path) -> Optional[dict]:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return quant
+
+
+def scan_weight_files(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[tuple[str, int]]]:
+    """(every tensor of the directory's weight files as a meta tensor — shape and dtype, an MXFP4 pair as the
+    bfloat16 `….weight` it decodes to —, (name in file, count) of each tensor holding NaN/±inf), reading one tensor
+    at a time: a driver checks a directory this way before handing it to workers, without holding the model.
+
+    The files are the index's shards (inside the directory, model/formats/trust.py) plus k3rl's patch file, or every
+    `*.safetensors` without an index; an unreadable or truncated file, or a tensor the index maps to a file that
+    lacks it, is a ValueError naming the file. An MXFP4 scale byte 255 (E8M0 NaN) counts its 32 values."""
+    directory = Path(directory)
+    weight_map = read_index(directory)
+    if weight_map is None:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    else:
+        files = sorted(set(weight_map.values())) + [PATCH_EMBED_FILE] * (directory / PATCH_EMBED_FILE).is_file()
+    meta: dict[str, torch.Tensor] = {}
+    bad: list[tuple[str, int]] = []
+    if not files:
+        _scan_pickled_weights(directory, meta, bad)
+    for fname in files:
+        path = inside(directory, fname, f"{directory}: weight file")
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory}: {fname} is listed in {INDEX_NAME} but missing")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                lacking = sorted(n for n, file in (weight_map or {}).items() if file == fname and n not in keys)
+                if lacking:
+                    raise ValueError(f"{directory}: tensor {lacking[0]} is mapped to {fname} by {INDEX_NAME} but "
+                                     f"that file lacks it")
+                for name in sorted(keys):
+                    t = f.get_tensor(name)
+                    n = count_nonfinite(t)
+                    if name.endswith(".weight_scale") and t.dtype == torch.uint8:
+                        n = 32 * int((t == 255).sum())
+                    if n:
+                        bad.append((f"{name} in {fname}", n))
+                    meta[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    del t
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+    for name in [n for n in meta if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        packed = meta.pop(name)
+        meta.pop(module + ".weight_scale", None)
+        meta[module + ".weight"] = torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.bfloat16,
+                                               device="meta")
+    return meta, bad
+
+
+def _scan_pickled_weights(directory: Path, meta: dict[str, torch.Tensor], bad: list[tuple[str, int]]) -> None:
+    """`scan_weight_files` for an HF directory with PyTorch pickles only (`pytorch_model*.bin`, older
+    checkpoints): read as transformers reads them, tensors only (`weights_only`: no pickled code runs),
+    memory-mapped where the file allows."""
+    for path in sorted(directory.glob("pytorch_model*.bin")):
+        inside(directory, path.name, f"{directory}: weight file")
+        try:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:
+                # the legacy (pre-zip) format cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # any unreadable pickle: name the file
+            raise ValueError(f"{path}: not a readable PyTorch weight file ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise ValueError(f"{path}: not a state dict of tensors")
+        for name, t in sorted(state.items()):
+            if n := count_nonfinite(t):
+                bad.append((f"{name} in {path.name}", n))
+            meta[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        del state

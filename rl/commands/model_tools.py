@@ -127,31 +127,34 @@ def export_main(argv: list[str]) -> int:
 
     import torch
 
-    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats.config_json import raw_config
     from k3rl.model.formats.integrity import CheckpointError
+    from k3rl.model.formats.layouts import CONFIG_FILE, MODEL_TYPES, layout_for
+    from k3rl.model.formats.load import load_model
+    from k3rl.model.formats.save import TOKENIZER_FILES, save_model
     from k3rl.model.formats.trust import check_remote_code
 
     src, dst = Path(args.src), Path(args.dst)
     try:
-        raw = hf_layout.raw_config(src)
-        if raw.get("model_type") not in hf_layout.MODEL_TYPES:
-            raise ValueError(f"{src / hf_layout.CONFIG_FILE}: model_type {raw.get('model_type')!r} is not a K3 "
-                             f"layout ({', '.join(hf_layout.MODEL_TYPES)})")
+        raw = raw_config(src)
+        if raw.get("model_type") not in MODEL_TYPES:
+            raise ValueError(f"{src / CONFIG_FILE}: model_type {raw.get('model_type')!r} is not a K3 "
+                             f"layout ({', '.join(MODEL_TYPES)})")
         text = raw.get("text_config", raw)
         if not isinstance(text, dict):
-            raise ValueError(f"{src / hf_layout.CONFIG_FILE}: text_config must be an object, got {type(text).__name__}")
+            raise ValueError(f"{src / CONFIG_FILE}: text_config must be an object, got {type(text).__name__}")
         dtype_name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"{src / hf_layout.CONFIG_FILE}: dtype {dtype_name!r} is not a floating-point type")
-        tokenizer = src if any(hf_layout.TOKENIZER_FILES.match(p.name) for p in src.iterdir()) else None
+            raise ValueError(f"{src / CONFIG_FILE}: dtype {dtype_name!r} is not a floating-point type")
+        tokenizer = src if any(TOKENIZER_FILES.match(p.name) for p in src.iterdir()) else None
         if tokenizer is not None:
             check_remote_code(src, args.trust_remote_code, model=False)
         # verified first (model/formats/integrity.py): its COMPLETE manifest when it has one, shard set, dtypes, finite values
-        model = hf_layout.load_model(src, dtype=dtype, allow_nonfinite=args.allow_nonfinite)
+        model = load_model(src, dtype=dtype, allow_nonfinite=args.allow_nonfinite)
         tmp = dst.parent / f".{dst.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        hf_layout.save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
+        save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
                              trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite)
     except (OSError, ValueError, CheckpointError) as e:
         # a refused write (NaN in an MXFP4 tensor) leaves no half-written temporary directory behind
@@ -161,7 +164,7 @@ def export_main(argv: list[str]) -> int:
     if dst.exists():
         dst.rmdir()
     os.replace(tmp, dst)
-    layout = args.layout or hf_layout.layout_for(model.config)
+    layout = args.layout or layout_for(model.config)
     lossy = ", routed experts in MXFP4 (lossy)" if args.quantize else ""
     print(f"wrote {dst}: layout {layout}, {str(dtype).removeprefix('torch.')}{lossy}"
           f"{', tokenizer copied' if tokenizer else ''}")

@@ -53,7 +53,7 @@ def check_evaluated(cfg: Any) -> None:
     if cfg.rollout.engine == "vllm":
         import torch
 
-        from k3rl.model.formats.layouts import model_type_of
+        from k3rl.model.formats.config_json import model_type_of
         from k3rl.rollout.worker import check_engine_args
 
         model_type = model_type_of(path)

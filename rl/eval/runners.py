@@ -93,11 +93,11 @@ class LocalModel:
             from omegaconf import OmegaConf
             from transformers import AutoConfig
 
-            from k3rl.model.formats import layouts as hf_layout
+            from k3rl.model.formats.config_json import is_k3_dir, read_config
             from k3rl.rollout.vllm_engine import VLLMEngine
 
             # a K3 directory through k3rl's reader (transformers' own kimi_linear is another model)
-            text = (hf_layout.read_config(model_path) if hf_layout.is_k3_dir(model_path)
+            text = (read_config(model_path) if is_k3_dir(model_path)
                     else AutoConfig.from_pretrained(model_path, trust_remote_code=trust).get_text_config())
             self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
             args = OmegaConf.to_container(cfg.rollout.engine_args, resolve=True) or {}

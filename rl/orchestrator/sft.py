@@ -39,7 +39,7 @@ SFT_HEADLINE = (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm"), ("tr
 def save_model(model, tokenizer, target: str | Path) -> Path:
     """Write an HF directory (model + tokenizer; K3 in the released layout its config chooses,
     model/formats/layouts.py) to a temporary sibling, then rename it to `target`."""
-    from k3rl.model.formats.layouts import save_model as save_k3
+    from k3rl.model.formats.save import save_model as save_k3
     from k3rl.model.modeling import K3ForCausalLM
     from k3rl.rl.checkpoint import atomic_dir
 

@@ -51,7 +51,7 @@ def model_config(cfg: Any):
             path = Path(cfg.pretrain.model_dir)
             if not (path / "config.json").is_file():
                 raise ConfigError(f"pretrain.model_dir: {path} is not a Hugging Face model directory (no config.json)")
-            from k3rl.model.formats.layouts import read_config
+            from k3rl.model.formats.config_json import read_config
 
             return read_config(path)
         return K3Config.from_model_config(cfg.model)

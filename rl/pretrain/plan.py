@@ -316,7 +316,7 @@ def plan_from_job(cfg: Any) -> tuple[str, list[StagePlan]]:
         if not (Path(pre.model_dir) / "config.json").is_file():
             raise ValueError(f"pretrain.model_dir: {pre.model_dir} is not a Hugging Face model directory "
                              f"(no config.json)")
-        from k3rl.model.formats.layouts import read_config
+        from k3rl.model.formats.config_json import read_config
 
         config = read_config(pre.model_dir)
         name = str(pre.model_dir)

@@ -16,8 +16,9 @@ import pytest
 import torch
 from k3_factory import make_model
 
-from k3rl.model.formats import layouts as hf_layout
-from k3rl.model.formats.layouts import CheckpointError
+from k3rl.model.formats.config_json import read_config
+from k3rl.model.formats.layouts import CONFIG_FILE, CheckpointError
+from k3rl.model.formats.save import save_model
 from k3rl.rl.commands.model_tools import export_main
 
 BAD_VALUES = ["big", -3, 0, 1e308, 10**30, None, [1], {"a": 1}, True, 2.5, ""]
@@ -29,7 +30,7 @@ def saved(tmp_path_factory):
     dirs = {}
     for layout in ("kimi_linear", "kimi_k3"):
         dirs[layout] = root / layout
-        hf_layout.save_model(make_model(dtype=torch.float32), dirs[layout], layout=layout)
+        save_model(make_model(dtype=torch.float32), dirs[layout], layout=layout)
     return dirs
 
 
@@ -53,18 +54,18 @@ def _variants(raw: dict) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("layout", ["kimi_linear", "kimi_k3"])
 def test_every_bad_config_value_is_named(saved, tmp_path, layout):
     src = saved[layout]
-    raw = json.loads((src / hf_layout.CONFIG_FILE).read_text())
+    raw = json.loads((src / CONFIG_FILE).read_text())
     variants = _variants(raw)
     assert len(variants) > 400
     d = tmp_path / "d"
     shutil.copytree(src, d)
     named = loaded = 0
     for what, changed in variants:
-        (d / hf_layout.CONFIG_FILE).write_text(json.dumps(changed))
+        (d / CONFIG_FILE).write_text(json.dumps(changed))
         try:
-            config = hf_layout.read_config(d)
+            config = read_config(d)
         except CheckpointError as e:
-            assert str(d / hf_layout.CONFIG_FILE) in str(e), (what, e)
+            assert str(d / CONFIG_FILE) in str(e), (what, e)
             named += 1
             continue
         # what reads must build: sizes are real sizes
@@ -90,10 +91,10 @@ def test_export_names_a_config_that_is_not_a_config(saved, tmp_path, capsys, con
     src = tmp_path / "src"
     shutil.copytree(saved["kimi_k3"], src)
     if b"num_nextn" in content:
-        raw = json.loads((src / hf_layout.CONFIG_FILE).read_text())
+        raw = json.loads((src / CONFIG_FILE).read_text())
         raw["text_config"]["num_nextn_predict_layers"] = [1]
         content = json.dumps(raw).encode()
-    (src / hf_layout.CONFIG_FILE).write_bytes(content)
+    (src / CONFIG_FILE).write_bytes(content)
     rc, err = _export(src, tmp_path / "dst", capsys)
     assert rc == 2 and "Traceback" not in err and "config.json" in err, err
     assert not (tmp_path / "dst").exists()
@@ -104,8 +105,8 @@ def test_export_names_a_config_that_is_not_a_config(saved, tmp_path, capsys, con
 def test_export_names_a_bad_field(saved, tmp_path, capsys, key, value):
     src = tmp_path / "src"
     shutil.copytree(saved["kimi_k3"], src)
-    raw = json.loads((src / hf_layout.CONFIG_FILE).read_text())
+    raw = json.loads((src / CONFIG_FILE).read_text())
     raw["text_config"][key] = value
-    (src / hf_layout.CONFIG_FILE).write_text(json.dumps(raw))
+    (src / CONFIG_FILE).write_text(json.dumps(raw))
     rc, err = _export(src, tmp_path / "dst", capsys)
     assert rc == 2 and "Traceback" not in err and key in err, err

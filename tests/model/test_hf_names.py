@@ -40,7 +40,8 @@ def test_stack_names_missing_expert_and_mismatched_shapes():
 
 
 def test_saved_checkpoints_hold_per_expert_names(tmp_path):
-    from k3rl.model.formats.layouts import INDEX_FILE, save_model
+    from k3rl.model.formats.layouts import INDEX_FILE
+    from k3rl.model.formats.save import save_model
 
     model = make_model(seed=2, dtype=torch.float32)
     save_model(model, tmp_path)
@@ -55,7 +56,7 @@ def test_saved_checkpoints_hold_per_expert_names(tmp_path):
 
 def test_old_layout_with_images_reads_with_a_message(tmp_path):
     """k3rl's old layout (transformers' save_pretrained, model_type k3rl_k3, the patch weight among the others)."""
-    from k3rl.model.formats.layouts import load_model
+    from k3rl.model.formats.load import load_model
 
     model = make_model(seed=4, media_placeholder_token_id=3, image_patch_size=2)
     model.save_pretrained(tmp_path)

@@ -14,7 +14,9 @@ from k3_factory import make_model
 from safetensors.torch import load_file, save_file
 
 from k3rl.model.formats import integrity
-from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.layouts import CheckpointError
+from k3rl.model.formats.load import check_model_dir, load_model
+from k3rl.model.formats.save import save_model
 from k3rl.model.formats.weight_files import write_weights
 from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.commands.model_tools import export_main
@@ -29,7 +31,7 @@ EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1.weight"
 def released(tmp_path_factory) -> Path:
     """A tiny float32 K3 in the kimi_linear layout, no manifest."""
     out = tmp_path_factory.mktemp("released") / "model"
-    hf_layout.save_model(make_model(dtype=torch.float32), out)
+    save_model(make_model(dtype=torch.float32), out)
     return out
 
 
@@ -65,8 +67,8 @@ def flip_low_bit(path: Path) -> None:
 def test_clean_directories_load_without_a_false_positive(released, tmp_path):
     step = learner_checkpoint(released, tmp_path / "checkpoints")
     for directory in (released, step):
-        model = hf_layout.load_model(directory)
-        hf_layout.check_model_dir(directory)
+        model = load_model(directory)
+        check_model_dir(directory)
         assert all(torch.isfinite(p).all() for p in model.parameters())
     assert integrity.verify_model_dir(step) == step and integrity.verify_model_dir(released) is None
     assert export_main([str(step), str(tmp_path / "out")]) == 0
@@ -74,35 +76,35 @@ def test_clean_directories_load_without_a_false_positive(released, tmp_path):
 
 def test_flipped_byte_in_a_learner_checkpoint_is_named_on_load_and_export(released, tmp_path, capsys):
     step = learner_checkpoint(released, tmp_path / "checkpoints")
-    hf_layout.load_model(step)  # verified once: a later change must still be seen (size and mtime key the cache)
+    load_model(step)  # verified once: a later change must still be seen (size and mtime key the cache)
     flip_low_bit(step / SHARD)
     with pytest.raises(integrity.CorruptCheckpointError, match=f"{SHARD} does not match its content hash"):
-        hf_layout.load_model(step)
+        load_model(step)
     with pytest.raises(integrity.CorruptCheckpointError, match=SHARD):
-        hf_layout.check_model_dir(step)
+        check_model_dir(step)
     assert export_main([str(step), str(tmp_path / "out")]) == 2
     assert f"{step}: {SHARD} does not match its content hash" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     # the same flip without a manifest is a finite value: loaded (only a manifest detects it, module docstring)
     bare = copy(released, tmp_path / "bare")
     flip_low_bit(bare / SHARD)
-    hf_layout.load_model(bare)
+    load_model(bare)
 
 
 def test_model_files_in_a_subdirectory_are_verified_by_the_parents_manifest(released, tmp_path):
     with ckpt.atomic_dir(tmp_path / "run") as tmp:
         shutil.copytree(released, tmp / "model")
-    hf_layout.load_model(tmp_path / "run" / "model")
+    load_model(tmp_path / "run" / "model")
     flip_low_bit(tmp_path / "run" / "model" / SHARD)
     with pytest.raises(integrity.CorruptCheckpointError, match=f"model/{SHARD} does not match"):
-        hf_layout.load_model(tmp_path / "run" / "model")
+        load_model(tmp_path / "run" / "model")
 
 
 def test_a_file_added_after_the_save_is_refused(released, tmp_path):
     step = learner_checkpoint(released, tmp_path / "checkpoints")
     shutil.copyfile(step / SHARD, step / "model.safetensors")
     with pytest.raises(integrity.CorruptCheckpointError, match="model.safetensors is not in the COMPLETE manifest"):
-        hf_layout.load_model(step)
+        load_model(step)
 
 
 def test_nan_weight_is_refused_by_tensor_unless_allowed(released, tmp_path, capsys):
@@ -110,13 +112,13 @@ def test_nan_weight_is_refused_by_tensor_unless_allowed(released, tmp_path, caps
     set_value(bad, EXPERT, (0, 3), float("nan"))
     set_value(bad, "lm_head.weight", (1, 1), float("inf"))
     with pytest.raises(integrity.NonFiniteWeightsError) as e:
-        hf_layout.load_model(bad)
+        load_model(bad)
     assert f"{EXPERT} in {SHARD} (1 value)" in str(e.value) and "lm_head.weight" in str(e.value)
     assert "run.allow_nonfinite_weights=true" in str(e.value)
     with pytest.raises(integrity.NonFiniteWeightsError, match=EXPERT):
-        hf_layout.check_model_dir(bad)
+        check_model_dir(bad)
     with pytest.warns(UserWarning, match="loaded anyway"):
-        model = hf_layout.load_model(bad, allow_nonfinite=True)
+        model = load_model(bad, allow_nonfinite=True)
     assert not torch.isfinite(model.lm_head.weight).all()
     assert export_main([str(bad), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
@@ -134,50 +136,50 @@ def test_a_byte_flip_that_makes_a_nan_is_caught_without_a_manifest(released, tmp
     data[-2] |= 0x80
     (bad / SHARD).write_bytes(bytes(data))
     with pytest.raises(integrity.NonFiniteWeightsError, match="1 value"):
-        hf_layout.load_model(bad)
+        load_model(bad)
 
 
 def test_shard_set_dtype_and_cast_overflow(released, tmp_path):
     stray = copy(released, tmp_path / "stray")
     shutil.copyfile(stray / SHARD, stray / "model.safetensors")
     with pytest.raises(ValueError, match="model.safetensors not named by model.safetensors.index.json"):
-        hf_layout.load_model(stray)
+        load_model(stray)
     gap = copy(released, tmp_path / "gap")
     index = json.loads((gap / "model.safetensors.index.json").read_text())
     (gap / SHARD).rename(gap / "model-00002-of-00002.safetensors")
     index["weight_map"] = {n: "model-00002-of-00002.safetensors" for n in index["weight_map"]}
     (gap / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="names shards 2-of-2, not 1…n"):
-        hf_layout.load_model(gap)
+        load_model(gap)
     half = copy(released, tmp_path / "half")
     set_value(half, "lm_head.weight", (0, 0), 0.5, dtype=torch.float16)
-    with pytest.raises(hf_layout.CheckpointError, match="lm_head.weight in .* has dtype float16, config.json says "
+    with pytest.raises(CheckpointError, match="lm_head.weight in .* has dtype float16, config.json says "
                                                         "float32"):
-        hf_layout.load_model(half)
-    with pytest.raises(hf_layout.CheckpointError, match="has dtype float16"):
-        hf_layout.check_model_dir(half)
+        load_model(half)
+    with pytest.raises(CheckpointError, match="has dtype float16"):
+        check_model_dir(half)
     big = copy(released, tmp_path / "big")
     set_value(big, "lm_head.weight", (0, 0), 3.4e38)  # finite in float32, beyond bfloat16 (3.39e38)
-    hf_layout.load_model(big)
+    load_model(big)
     with pytest.raises(integrity.NonFiniteWeightsError, match="cast to bfloat16 .*lm_head.weight"):
-        hf_layout.load_model(big, dtype=torch.bfloat16)
+        load_model(big, dtype=torch.bfloat16)
 
 
 def test_streaming_check_names_model_file_errors(released, tmp_path):
     truncated = copy(released, tmp_path / "truncated")
     (truncated / SHARD).write_bytes((truncated / SHARD).read_bytes()[:-100])
     with pytest.raises(ValueError, match=f"{SHARD}: not a readable safetensors file"):
-        hf_layout.check_model_dir(truncated)
+        check_model_dir(truncated)
     missing = copy(released, tmp_path / "missing")
     (missing / SHARD).unlink()
     with pytest.raises(FileNotFoundError, match=f"{SHARD} is listed in model.safetensors.index.json but missing"):
-        hf_layout.check_model_dir(missing)
+        check_model_dir(missing)
     shape = copy(released, tmp_path / "shape")
     tensors = load_file(shape / SHARD)
     tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1].clone()
     save_file(tensors, shape / SHARD, metadata={"format": "pt"})
-    with pytest.raises(hf_layout.CheckpointError, match="tensor lm_head.weight in .* has shape"):
-        hf_layout.check_model_dir(shape)
+    with pytest.raises(CheckpointError, match="tensor lm_head.weight in .* has shape"):
+        check_model_dir(shape)
 
 
 def test_hf_model_with_nan_is_refused_by_load_policy(tiny_qwen3_dir, tmp_path):
@@ -192,7 +194,7 @@ def test_hf_model_with_nan_is_refused_by_load_policy(tiny_qwen3_dir, tmp_path):
     with pytest.raises(integrity.NonFiniteWeightsError, match=f"{name} \\(1 value\\)"):
         load_policy(bad)
     with pytest.raises(integrity.NonFiniteWeightsError, match=name):
-        hf_layout.check_model_dir(bad)
+        check_model_dir(bad)
 
 
 def test_mxfp4_write_refuses_nan_and_warns_on_saturation(tmp_path):
@@ -211,7 +213,7 @@ def test_mxfp4_write_refuses_nan_and_warns_on_saturation(tmp_path):
 def test_export_mxfp4_warns_on_saturation_and_refuses_nan(tmp_path, capsys):
     # experts of hidden size 32: every routed weight has an input dim MXFP4 takes
     released = tmp_path / "src"
-    hf_layout.save_model(make_model(dtype=torch.float32, moe_intermediate_size=32), released)
+    save_model(make_model(dtype=torch.float32, moe_intermediate_size=32), released)
     big = copy(released, tmp_path / "big")
     set_value(big, EXPERT, (0, 0), 3e38)
     with pytest.warns(UserWarning, match=f"{EXPERT}: 1 finite value"):
@@ -232,9 +234,9 @@ def test_pickled_hf_weights_are_scanned_without_running_code(tiny_qwen3_dir, tmp
     tensors[name].view(-1)[:3] = float("inf")
     torch.save(tensors, bad / "pytorch_model.bin")
     with pytest.raises(integrity.NonFiniteWeightsError, match=f"{name} in pytorch_model.bin \\(3 values\\)"):
-        hf_layout.check_model_dir(bad)
+        check_model_dir(bad)
     marker = tmp_path / "ran"
     torch.save({**tensors, "x": RunsCode(marker)}, bad / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pytorch_model.bin: not a readable PyTorch weight file"):
-        hf_layout.check_model_dir(bad)
+        check_model_dir(bad)
     assert not marker.exists()

@@ -15,8 +15,11 @@ from k3_factory import make_config, make_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.config_json import config_from_dict, kimi_k3_config_registered, read_config
+from k3rl.model.formats.layouts import INDEX_FILE, PATCH_FILE, PREPROCESSOR_FILE, layout_for
+from k3rl.model.formats.load import load_model
 from k3rl.model.formats.names import split_experts
+from k3rl.model.formats.save import save_model
 
 
 def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
@@ -83,7 +86,7 @@ def state_shapes(model) -> dict[str, tuple[int, ...]]:
 
 def disk_shapes(directory) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors the index lists, read from the files it names."""
-    index = json.loads((directory / hf_layout.INDEX_FILE).read_text())["weight_map"]
+    index = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
     out = {}
     for file in sorted(set(index.values())):
         with safe_open(str(directory / file), "pt") as f:
@@ -107,11 +110,11 @@ def test_layout_names_shapes_and_config(tmp_path, layout, kw):
     expected = expected_tensors(cfg)
     assert state_shapes(model) == expected | ({"model.patch_embed.proj.weight": (32, 12)} if layout == "kimi_k3"
                                               else {})
-    assert hf_layout.layout_for(cfg) == layout
-    hf_layout.save_model(model, tmp_path, max_shard_bytes=40_000)
+    assert layout_for(cfg) == layout
+    save_model(model, tmp_path, max_shard_bytes=40_000)
     prefix = "language_model." if layout == "kimi_k3" else ""
     assert disk_shapes(tmp_path) == {prefix + k: v for k, v in expected.items()}
-    assert len(set(json.loads((tmp_path / hf_layout.INDEX_FILE).read_text())["weight_map"].values())) > 1
+    assert len(set(json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"].values())) > 1
     raw = json.loads((tmp_path / "config.json").read_text())
     arch = {"kimi_k3": "KimiK3ForConditionalGeneration", "kimi_linear": "KimiLinearForCausalLM"}[layout]
     assert raw["model_type"] == layout and raw["architectures"] == [arch]
@@ -124,19 +127,19 @@ def test_layout_names_shapes_and_config(tmp_path, layout, kw):
     if layout == "kimi_k3":
         assert raw["media_placeholder_token_id"] == 3 and raw["vision_config"]["text_hidden_size"] == 32
         assert raw["ignore_index"] == -100 and "architectures" not in text
-        assert load_file(tmp_path / hf_layout.PATCH_FILE).keys() == {"model.patch_embed.proj.weight"}
-        assert json.loads((tmp_path / hf_layout.PREPROCESSOR_FILE).read_text())["media_proc_cfg"]["patch_size"] == cfg.image_patch_size
+        assert load_file(tmp_path / PATCH_FILE).keys() == {"model.patch_embed.proj.weight"}
+        assert json.loads((tmp_path / PREPROCESSOR_FILE).read_text())["media_proc_cfg"]["patch_size"] == cfg.image_patch_size
         from transformers import AutoConfig
 
         # inside `kimi_k3_config_registered` (what load_tokenizer uses: AutoTokenizer reads config.json first) a local
         # class answers, so transformers does not ask on stdin about the remote code; outside it, the directory's own
         # remote KimiK3Config does (k3rl does not change what transformers does in the user's process)
-        with hf_layout.kimi_k3_config_registered():
+        with kimi_k3_config_registered():
             assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "KimiK3DirectoryConfig"
         assert type(AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)).__module__.startswith(
             "transformers_modules.")
     else:
-        assert not (tmp_path / hf_layout.PATCH_FILE).exists()
+        assert not (tmp_path / PATCH_FILE).exists()
 
 
 @pytest.mark.parametrize("media", [None, 3], ids=["text", "images"])
@@ -146,15 +149,15 @@ def test_save_load_round_trip_identical_logits(tmp_path, media):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_()  # a trained bias must survive the round trip
-    hf_layout.save_model(model, tmp_path)
-    loaded = hf_layout.load_model(tmp_path, dtype=torch.float64)
+    save_model(model, tmp_path)
+    loaded = load_model(tmp_path, dtype=torch.float64)
     assert loaded.config.model_config_dict() == model.config.model_config_dict()
     ids = torch.randint(4, 97, (2, 21))
     ids[0, 5:7] = 3
     kw = {} if media is None else {"pixel_values": torch.randn(1, 3, 2, 4, dtype=torch.float64)}
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, **kw).logits, model(ids, **kw).logits, atol=0, rtol=0)
-    bf16 = hf_layout.load_model(tmp_path, dtype=torch.bfloat16)
+    bf16 = load_model(tmp_path, dtype=torch.bfloat16)
     for name, t in bf16.state_dict().items():
         fp32 = name.endswith(("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias"))
         assert t.dtype == (torch.float32 if fp32 else torch.bfloat16), name
@@ -165,7 +168,7 @@ def test_released_spellings_defaults_and_unbuilt_parts(tmp_path):
     defaults apply), its ViT and an MTP layer (skipped, with a message), the media token of the real vocabulary."""
     model = make_model(checkpoint_layout="kimi_k3", hidden_act="silu")
     src = tmp_path / "src"
-    hf_layout.save_model(model, src)
+    save_model(model, src)
     raw = json.loads((src / "config.json").read_text())
     text = raw["text_config"]
     for key in ("router_balance", "image_patch_size", "image_num_channels", "checkpoint_layout", "hidden_act",
@@ -174,7 +177,7 @@ def test_released_spellings_defaults_and_unbuilt_parts(tmp_path):
     text["num_nextn_predict_layers"] = 1
     raw["media_placeholder_token_id"] = 163605
     (src / "config.json").write_text(json.dumps(raw))
-    index = json.loads((src / hf_layout.INDEX_FILE).read_text())
+    index = json.loads((src / INDEX_FILE).read_text())
     (file,) = set(index["weight_map"].values())
     tensors = {k.replace("language_model.model.layers.", "language_model.layers."): v
                for k, v in load_file(src / file).items()}
@@ -183,9 +186,9 @@ def test_released_spellings_defaults_and_unbuilt_parts(tmp_path):
     save_file(tensors, src / file)
     save_file(extra, src / "model-extra.safetensors")
     index["weight_map"] = {**{k: file for k in tensors}, **{k: "model-extra.safetensors" for k in extra}}
-    (src / hf_layout.INDEX_FILE).write_text(json.dumps(index))
+    (src / INDEX_FILE).write_text(json.dumps(index))
     with pytest.warns(UserWarning, match="skipped 1 vision tower / projector tensors, 1 MTP layer tensors"):
-        loaded = hf_layout.load_model(src, dtype=torch.float64)
+        loaded = load_model(src, dtype=torch.float64)
     assert loaded.config.media_placeholder_token_id is None and loaded.config.checkpoint_layout == "kimi_k3"
     assert loaded.config.model_config_dict() == model.config.model_config_dict() | {"media_placeholder_token_id": None}
     ids = torch.randint(4, 97, (2, 9))
@@ -194,14 +197,14 @@ def test_released_spellings_defaults_and_unbuilt_parts(tmp_path):
     bare = dict(text)
     for key in ("attn_res_block_size", "mla_use_nope", "activation_situ_beta"):
         del bare[key]
-    defaults = hf_layout.config_from_dict(bare)
+    defaults = config_from_dict(bare)
     assert (defaults.attn_res_block_size, defaults.mla_use_nope, defaults.activation_situ_beta) == (None, False, None)
 
 
 def test_damaged_directories_are_named(tmp_path):
     src = tmp_path / "ok"
-    hf_layout.save_model(make_model(seed=3, dtype=torch.float32), src, max_shard_bytes=40_000)
-    weight_map = json.loads((src / hf_layout.INDEX_FILE).read_text())["weight_map"]
+    save_model(make_model(seed=3, dtype=torch.float32), src, max_shard_bytes=40_000)
+    weight_map = json.loads((src / INDEX_FILE).read_text())["weight_map"]
 
     def damaged(name):
         shutil.copytree(src, tmp_path / name)
@@ -210,13 +213,13 @@ def test_damaged_directories_are_named(tmp_path):
     d = damaged("shard")
     gone = sorted(set(weight_map.values()))[1]
     (d / gone).unlink()
-    with pytest.raises(FileNotFoundError, match=f"{gone} is listed in .*{hf_layout.INDEX_FILE} but missing"):
-        hf_layout.load_model(d)
+    with pytest.raises(FileNotFoundError, match=f"{gone} is listed in .*{INDEX_FILE} but missing"):
+        load_model(d)
     d = damaged("type")
     raw = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
     with pytest.raises(ValueError, match="config.json: model_type 'llama' is not a K3 layout"):
-        hf_layout.load_model(d)
+        load_model(d)
     d = damaged("shape")
     name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
     file = weight_map[name]
@@ -224,17 +227,17 @@ def test_damaged_directories_are_named(tmp_path):
     tensors[name] = torch.zeros(3, 3)
     save_file(tensors, d / file)
     with pytest.raises(ValueError, match=f"tensor {name} in {file} has shape \\[3, 3\\], this config needs \\[16, 32\\]"):
-        hf_layout.load_model(d)
+        load_model(d)
     del tensors[name]
     save_file(tensors, d / file)
     with pytest.raises(ValueError, match=f"tensor {name} is mapped to {file} but that file lacks it"):
-        hf_layout.load_model(d)
-    index = json.loads((d / hf_layout.INDEX_FILE).read_text())
+        load_model(d)
+    index = json.loads((d / INDEX_FILE).read_text())
     del index["weight_map"][name]
-    (d / hf_layout.INDEX_FILE).write_text(json.dumps(index))
+    (d / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"tensor {name} missing"):
-        hf_layout.load_model(d)
+        load_model(d)
     raw = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**raw, "num_experts_per_token": 9}))
     with pytest.raises(ValueError, match="config.json: num_experts_per_token"):
-        hf_layout.read_config(d)
+        read_config(d)

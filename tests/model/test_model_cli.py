@@ -49,7 +49,7 @@ def test_params_table(capsys):
 
 
 def test_init_writes_a_loadable_model_and_tokenizer(tmp_path, capsys):
-    from k3rl.model.formats.layouts import load_model
+    from k3rl.model.formats.load import load_model
     from k3rl.model.tokenizer import load_tokenizer
 
     out = tmp_path / "tiny"
@@ -85,26 +85,27 @@ def test_params_and_init_read_any_recipe(tmp_path, capsys):
 def test_export_rewrites_the_old_layout_and_quantizes_on_request(tmp_path, capsys):
     from k3_factory import make_model
 
-    from k3rl.model.formats import layouts as hf_layout
     from k3rl.model.formats import mxfp4
+    from k3rl.model.formats.load import load_model
+    from k3rl.model.formats.save import save_model
 
     old = ROOT / "tests/fixtures/k3_per_expert"
     with pytest.warns(UserWarning, match="k3rl_k3"):
-        source = hf_layout.load_model(old)
+        source = load_model(old)
         assert export_main([str(old), str(tmp_path / "k3"), "--layout", "kimi_k3"]) == 0
     assert "layout kimi_k3, float32" in capsys.readouterr().out
     assert json.loads((tmp_path / "k3" / "config.json").read_text())["model_type"] == "kimi_k3"
     ids = torch.tensor([[5, 9, 14, 2, 7, 7, 30]])
     with torch.no_grad():
-        torch.testing.assert_close(hf_layout.load_model(tmp_path / "k3")(ids).logits, source(ids).logits, atol=0, rtol=0)
+        torch.testing.assert_close(load_model(tmp_path / "k3")(ids).logits, source(ids).logits, atol=0, rtol=0)
 
     model = make_model(moe_intermediate_size=32, dtype=torch.float32)  # MXFP4 groups of 32 along every input
-    hf_layout.save_model(model, tmp_path / "src")
+    save_model(model, tmp_path / "src")
     assert export_main([str(tmp_path / "src"), str(tmp_path / "q"), "--quantize", "mxfp4"]) == 0
     assert "routed experts in MXFP4 (lossy)" in capsys.readouterr().out
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == \
         "compressed-tensors"
-    back = hf_layout.load_model(tmp_path / "q")
+    back = load_model(tmp_path / "q")
     w = model.model.layers[1].block_sparse_moe.experts.w2.detach()
     assert torch.equal(back.model.layers[1].block_sparse_moe.experts.w2, mxfp4.dequantize(*mxfp4.quantize(w), torch.float32))
     assert not torch.equal(back.model.layers[1].block_sparse_moe.experts.w2, w)

@@ -19,7 +19,9 @@ import torch
 from k3_factory import make_config, make_model
 
 from k3rl.model.formats import mxfp4
-from k3rl.model.formats.layouts import load_model, released_config, to_released_names
+from k3rl.model.formats.config_json import released_config
+from k3rl.model.formats.load import load_model
+from k3rl.model.formats.names import to_released_names
 from k3rl.model.formats.weight_files import INDEX_NAME, write_weights
 
 

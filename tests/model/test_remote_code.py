@@ -6,7 +6,7 @@ q_lora and a full-rank q_proj, MoE with shared experts and latent MoE (with its 
 routers, grouped top-k, a non-zero selection bias, routed scaling, SiTU-GLU and SwiGLU, AttnRes, dense first
 layers, logit_scale, and (kimi_k3) images on, whose native patch weight stays outside the index.
 
-Each is saved by model/formats/layouts.py `save_model` (which copies model/formats/remote/*.py in); then ONE fresh Python
+Each is saved by model/formats/save.py `save_model` (which copies model/formats/remote/*.py in); then ONE fresh Python
 process loads both with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in float32 and
 float64, checks that no key is missing, unexpected or mismatched and that the experts keep their per-expert
 names, writes its logits on fixed tokens (one row left-padded) and runs `generate`. k3rl (the `k3rl`
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from k3_factory import make_config, make_model
 
-from k3rl.model.formats.layouts import save_model
+from k3rl.model.formats.save import save_model
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("kimi_linear", "kimi_k3")

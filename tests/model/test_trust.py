@@ -18,7 +18,9 @@ import pytest
 import torch
 from k3_factory import make_model
 
-from k3rl.model.formats import layouts as hf_layout
+from k3rl.model.formats.layouts import INDEX_FILE, PATCH_FILE, REMOTE_DIR
+from k3rl.model.formats.load import load_model
+from k3rl.model.formats.save import copy_tokenizer, save_model
 from k3rl.model.formats.trust import PathEscapeError, RemoteCodeError, remote_code_requests
 from k3rl.rl.commands.model_tools import export_main
 
@@ -87,7 +89,7 @@ def evil(tiny_qwen3_dir, tmp_path):
 def k3_src(tiny_qwen3_dir, tmp_path):
     """A K3 directory in the released layout whose tokenizer (the tiny Qwen3's) asks for `tokenization_x.py`."""
     src = tmp_path / "k3"
-    hf_layout.save_model(make_model(dtype=torch.float32), src, tokenizer_from=tiny_qwen3_dir)
+    save_model(make_model(dtype=torch.float32), src, tokenizer_from=tiny_qwen3_dir)
     markers = tmp_path / "k3-markers"
     markers.mkdir()
     _edit_json(src / "tokenizer_config.json",
@@ -222,11 +224,11 @@ def test_checkpoints_copy_a_tokenizer_without_its_code(k3_src, tmp_path):
     src, _ = k3_src
     (src / "stray_helper.py").write_text("raise SystemExit")
     with pytest.raises(RemoteCodeError, match="tokenization_x.py"):
-        hf_layout.save_model(make_model(dtype=torch.float32), tmp_path / "ckpt", tokenizer_from=src)
+        save_model(make_model(dtype=torch.float32), tmp_path / "ckpt", tokenizer_from=src)
     assert not (tmp_path / "ckpt").exists()  # refused before anything is written
     _edit_json(src / "tokenizer_config.json", auto_map=None)
-    hf_layout.save_model(make_model(dtype=torch.float32), tmp_path / "ckpt", tokenizer_from=src)
-    own = {p.name for p in hf_layout.REMOTE_DIR.glob("*.py")}
+    save_model(make_model(dtype=torch.float32), tmp_path / "ckpt", tokenizer_from=src)
+    own = {p.name for p in REMOTE_DIR.glob("*.py")}
     assert {p.name for p in (tmp_path / "ckpt").glob("*.py")} == own  # tokenization_x.py left behind
 
 
@@ -235,12 +237,12 @@ def test_checkpoints_copy_a_tokenizer_without_its_code(k3_src, tmp_path):
 @pytest.fixture
 def k3_plain(tmp_path):
     src = tmp_path / "src"
-    hf_layout.save_model(make_model(dtype=torch.float32), src)
+    save_model(make_model(dtype=torch.float32), src)
     return src
 
 
 def _index(src: Path) -> dict:
-    return json.loads((src / hf_layout.INDEX_FILE).read_text())
+    return json.loads((src / INDEX_FILE).read_text())
 
 
 @pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
@@ -259,15 +261,15 @@ def test_index_entries_outside_the_directory_are_refused(k3_plain, tmp_path, cap
     else:
         target = "../elsewhere/stolen.safetensors" if where == "parent" else str(outside / "stolen.safetensors")
     index["weight_map"][name] = target
-    (k3_plain / hf_layout.INDEX_FILE).write_text(json.dumps(index))
-    message = rf"{hf_layout.INDEX_FILE}: tensor {name}: path '.*(stolen|inside-looking).*' resolves outside"
+    (k3_plain / INDEX_FILE).write_text(json.dumps(index))
+    message = rf"{INDEX_FILE}: tensor {name}: path '.*(stolen|inside-looking).*' resolves outside"
     with pytest.raises(PathEscapeError, match=message):
         read_weights(k3_plain)
     with pytest.raises(PathEscapeError, match=message):
-        hf_layout.load_model(k3_plain)
+        load_model(k3_plain)
     assert export_main([str(k3_plain), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert hf_layout.INDEX_FILE in err and name in err and "resolves outside" in err and "Traceback" not in err
+    assert INDEX_FILE in err and name in err and "resolves outside" in err and "Traceback" not in err
 
 
 def test_a_hub_cache_snapshot_loads_through_its_blob_symlinks(k3_plain, tmp_path):
@@ -282,7 +284,7 @@ def test_a_hub_cache_snapshot_loads_through_its_blob_symlinks(k3_plain, tmp_path
         shutil.copyfile(f, repo / "blobs" / f"blob{i}")
         os.symlink(f"../../blobs/blob{i}", snapshot / f.name)
     assert torch.equal(read_weights(snapshot)["lm_head.weight"], read_weights(k3_plain)["lm_head.weight"])
-    hf_layout.load_model(snapshot)
+    load_model(snapshot)
     outside = tmp_path / "stolen.safetensors"
     shutil.copyfile(repo / "blobs" / "blob0", outside)
     shard = next(snapshot.glob("model-*.safetensors"))
@@ -297,9 +299,9 @@ def test_a_side_file_leading_out_is_refused(k3_plain, tmp_path):
 
     (tmp_path / "patch.safetensors").write_bytes((k3_plain / _index(k3_plain)["weight_map"]["lm_head.weight"])
                                                   .read_bytes())
-    os.symlink(tmp_path / "patch.safetensors", k3_plain / hf_layout.PATCH_FILE)
-    with pytest.raises(PathEscapeError, match=rf"side file: path '{hf_layout.PATCH_FILE}' resolves outside"):
-        read_extra(k3_plain, hf_layout.PATCH_FILE)
+    os.symlink(tmp_path / "patch.safetensors", k3_plain / PATCH_FILE)
+    with pytest.raises(PathEscapeError, match=rf"side file: path '{PATCH_FILE}' resolves outside"):
+        read_extra(k3_plain, PATCH_FILE)
 
 
 def test_a_tokenizer_file_leading_out_is_not_copied(tmp_path, tiny_qwen3_dir):
@@ -309,7 +311,7 @@ def test_a_tokenizer_file_leading_out_is_not_copied(tmp_path, tiny_qwen3_dir):
     os.symlink(tmp_path / "secret.txt", tok / "vocab.txt")
     (tmp_path / "dst").mkdir()
     with pytest.raises(PathEscapeError, match="tokenizer file: path 'vocab.txt' resolves outside"):
-        hf_layout.copy_tokenizer(tok, tmp_path / "dst")
+        copy_tokenizer(tok, tmp_path / "dst")
     assert list((tmp_path / "dst").iterdir()) == []
 
 
@@ -325,7 +327,7 @@ def test_a_tokenizer_file_leading_out_is_not_copied(tmp_path, tiny_qwen3_dir):
     ("[" * 100_000 + "]" * 100_000, "not a safetensors index"),
 ])
 def test_export_names_a_malformed_index(k3_plain, tmp_path, capsys, index, why):
-    path = k3_plain / hf_layout.INDEX_FILE
+    path = k3_plain / INDEX_FILE
     path.write_bytes(index if isinstance(index, bytes) else index.encode())
     assert export_main([str(k3_plain), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
@@ -335,6 +337,6 @@ def test_export_names_a_malformed_index(k3_plain, tmp_path, capsys, index, why):
 def test_export_names_a_tensor_its_shard_lacks(k3_plain, tmp_path, capsys):
     index = _index(k3_plain)
     index["weight_map"]["model.layers.0.extra.weight"] = index["weight_map"]["lm_head.weight"]
-    (k3_plain / hf_layout.INDEX_FILE).write_text(json.dumps(index))
+    (k3_plain / INDEX_FILE).write_text(json.dumps(index))
     assert export_main([str(k3_plain), str(tmp_path / "out")]) == 2
     assert "tensor model.layers.0.extra.weight is mapped to" in capsys.readouterr().err

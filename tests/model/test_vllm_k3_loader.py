@@ -3,7 +3,7 @@
 For each released layout (`kimi_linear` → `KimiLinearForCausalLM`, `kimi_k3` →
 `KimiK3ForConditionalGeneration`), a tiny native K3 (KDA and MLA layers, MoE with a shared expert,
 AttnRes, q_lora, gate lower bound −5; for kimi_k3 images on, so `k3rl_patch_embed.safetensors` sits
-beside the index) is saved with `k3rl.model.formats.layouts.save_model`; vLLM's module tree for the directory is
+beside the index) is saved with `k3rl.model.formats.save.save_model`; vLLM's module tree for the directory is
 built on the CPU from vLLM's own config classes, every parameter and buffer is NaN-filled, and the
 model's own `load_weights` runs over vLLM's own weight iteration (`DefaultModelLoader.get_all_weights`:
 the index decides which files are read). Nothing runs through the model.
@@ -121,7 +121,7 @@ def vllm_dist(tmp_path_factory):
 
 
 def save_k3(model, directory: Path, layout: str) -> Path:
-    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.formats.save import save_model
 
     return save_model(model, directory, layout=layout)
 
@@ -281,7 +281,7 @@ def test_vllm_config_of_a_served_directory(layout, tmp_path):
     tokenizer): the config must build, and a kimi_k3 directory must run text-only."""
     from vllm.config import ModelConfig
 
-    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.formats.save import save_model
     from k3rl.model.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=300)

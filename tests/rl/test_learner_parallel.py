@@ -12,7 +12,7 @@ same global batch:
   gathered by `named_weights`, equal the one-rank values within 1e-10;
 * `save_into` (every rank: DCP shards; rank 0: the released-layout export and the layout file), then a second step;
   a fresh 2-rank learner loads the checkpoint and takes the same second step: its weights equal the uninterrupted
-  run's; the export read by `k3rl.model.formats.layouts.load_model` equals the weights after step 1;
+  run's; the export read by `k3rl.model.formats.load.load_model` equals the weights after step 1;
 * the sharded checkpoint refuses to load into a one-rank learner, naming the layout.
 The config check runs the way `k3rl train` does (load_config, then the trainer's checks before anything starts).
 """
@@ -40,13 +40,13 @@ SHAPES = [(6, 7), (2, 2), (3, 2), (2, 3), (2, 2), (3, 3)]
 
 
 def _model_dir(root: Path) -> Path:
-    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats.save import save_model
 
     model = make_model(make_config(num_hidden_layers=3, kda_layers=(1, 2)), seed=0)
     with torch.no_grad():
         # Layer 1's router steers every token away from experts 2 and 3: rank 1 owns them and receives no rows.
         model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, -9.0, -9.0]))
-    return hf_layout.save_model(model, root / "model")
+    return save_model(model, root / "model")
 
 
 def _trajectories() -> list:
@@ -114,7 +114,7 @@ def _close(got: dict, want: dict, what: str) -> None:
 
 
 def test_expert_parallel_fsdp_learner_equals_one_rank(tmp_path):
-    from k3rl.model.formats import layouts as hf_layout
+    from k3rl.model.formats.load import load_model
     from k3rl.rl import checkpoint as ckpt
     from k3rl.rl.algos import get_algo
     from k3rl.rl.train.learner import Learner, compute_advantages
@@ -138,7 +138,7 @@ def test_expert_parallel_fsdp_learner_equals_one_rank(tmp_path):
             pass
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
         ck = Path(tmp) / "ck"
-        exported = hf_layout.load_model(ck, torch.float64).state_dict()
+        exported = load_model(ck, torch.float64).state_dict()
         meta = json.loads((ck / "sharded_learner.json").read_text())
         with pytest.raises(ckpt.CheckpointError, match="expert_parallel 2.*rl.model_path"):
             Learner(_cfg(model_dir)).load(ck)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3rl.model.formats.layouts import read_config
+from k3rl.model.formats.config_json import read_config
 from k3rl.rl.config import ConfigError, JobConfig, load_config
 from k3rl.rollout.trajectory import Trajectory
 
@@ -230,7 +230,7 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
 def test_resume_after_kill9_mid_stage_keeps_the_data_order(tmp_path):
     """kill -9 during stage 2 (after a checkpoint, with a later step already logged); the same command resumes the
     stage from its checkpoint: every step's rows (their digest) and the final weights equal an uninterrupted run's."""
-    from k3rl.model.formats.layouts import read_state_dict
+    from k3rl.model.formats.load import read_state_dict
     from k3rl.rl import checkpoint as ckpt
 
     whole = climb_config(tmp_path, "whole")

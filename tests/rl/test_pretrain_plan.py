@@ -75,7 +75,7 @@ def _plan(config, seq_len: int, rows: int, segment: int | None, tokens: int | No
 @pytest.mark.parametrize("seq_len,rows,segment", [(512, 4, None), (2048, 1, None), (2048, 1, 512)],
                          ids=["512x4", "2048x1", "2048-in-512-segments"])
 def test_activation_memory_matches_a_real_step(tiny_dir, seq_len, rows, segment):
-    from k3rl.model.formats.layouts import read_config
+    from k3rl.model.formats.config_json import read_config
 
     config = read_config(tiny_dir)
     measured = _measure(tiny_dir, seq_len, rows, segment)
@@ -92,7 +92,7 @@ def test_activation_memory_matches_a_real_step(tiny_dir, seq_len, rows, segment)
 
 
 def test_optimizer_memory_matches_the_learners_states(tiny_dir):
-    from k3rl.model.formats.layouts import read_config
+    from k3rl.model.formats.config_json import read_config
 
     config = read_config(tiny_dir)
     measured = _measure(tiny_dir, 512, 4, None)

@@ -289,7 +289,7 @@ def test_step_batches_cover_each_epoch_once_in_a_seeded_order():
 def test_k3rl_sft_lowers_the_loss_and_saves_a_loadable_model(k3_run):
     from transformers import AutoTokenizer
 
-    from k3rl.model.formats.layouts import load_model
+    from k3rl.model.formats.load import load_model
 
     for name in ("config.yaml", "demos.json", "metrics.jsonl", "loss.png", "eval.json",
                  "model/config.json", "model/model.safetensors.index.json", "model/tokenizer.json", "init/config.json"):

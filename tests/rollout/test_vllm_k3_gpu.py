@@ -52,7 +52,7 @@ def small_k3():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from k3rl.envs.sources import builtin_texts
-    from k3rl.model.formats.layouts import save_model
+    from k3rl.model.formats.save import save_model
     from k3rl.model.tokenizer import train_tokenizer
     from k3rl.rollout.vllm_engine import VLLMEngine
 

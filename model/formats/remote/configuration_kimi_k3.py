@@ -1,6 +1,6 @@
 """Hugging Face configs of a k3rl checkpoint, for `trust_remote_code` loading without k3rl installed.
 
-This file is copied into every checkpoint directory k3rl writes (model/formats/layouts.py `save_model`), next to
+This file is copied into every checkpoint directory k3rl writes (model/formats/save.py `save_model`), next to
 modeling_kimi_k3.py, and named by the `auto_map` of its config.json. It imports only the standard library
 and transformers, so transformers can copy it into its module cache and run it in any process.
 

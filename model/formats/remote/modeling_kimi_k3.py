@@ -1,7 +1,7 @@
 """Plain PyTorch K3 text model for `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
 
 k3rl copies this file and configuration_kimi_k3.py into every checkpoint directory it writes
-(model/formats/layouts.py `save_model`), so a process that never imports k3rl can load the checkpoint with
+(model/formats/save.py `save_model`), so a process that never imports k3rl can load the checkpoint with
 transformers and get the logits k3rl's native model (model/modeling.py) computes. It imports only torch,
 transformers and the standard library. It is a reference reader, written for reading rather than speed:
 

@@ -4,7 +4,7 @@ Measured (default): one learner step (`LearnerGroup.train_step`, rl/train/learne
 config (configs/model/small.yaml: 203M parameters, 32 routed experts top-4, 11 MoE layers) on two gloo ranks, in
 three layouts, one after another in this run on the same batch:
 
-- DP=2:        `rl.num_learners=2`, every rank holds the whole model and optimizer (gradients all-reduced);
+- DP=2:        `learner.num_ranks=2`, every rank holds the whole model and optimizer (gradients all-reduced);
 - EP=2:        `learner.expert_parallel=2`: each rank holds 16 of the 32 experts of every MoE layer, tokens go to
                the rank owning their expert and back by all-to-all (rl/train/expert_parallel.py);
 - EP=2×FSDP:   `learner.fsdp=true` on top: every other parameter, gradient and optimizer state sharded over the

@@ -136,7 +136,7 @@ def plan(cfg, args) -> list[dict]:
     for i, stage in enumerate(cfg.pretrain.stages):
         n = int(stage.seq_len)
         rows = max(1, min(st.rows_per_step(stage), args.tokens_per_step // n))
-        seg = stage.segment_tokens if stage.segment_tokens is not None else cfg.learner.segment_tokens
+        seg = stage.learner.segment_tokens if stage.learner.segment_tokens is not None else cfg.learner.segment_tokens
         seg = int(seg or args.segment)
         base = {"stage": i, "seq_len": n, "rows": rows, "plain": False}
         out.append({**base, "variant": "unsegmented", "segment": None,

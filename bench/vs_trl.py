@@ -191,9 +191,9 @@ def k3rl_overrides(args: argparse.Namespace, model_dir: Path, tasks_path: Path, 
                 "rl.tasks_per_step": args.prompts, "rl.group_size": args.generations, "learner.lr": args.lr,
                 "learner.weight_decay": 0.0, "learner.max_grad_norm": 1.0, "rollout.temperature": 1.0,
                 "rollout.top_p": 1.0, "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_turns": 1,
-                "rl.mode": "sync", "rollout.num_workers": 1, "rl.num_learners": 1, "eval.every": 0,
+                "rl.mode": "sync", "rollout.num_workers": 1, "learner.num_ranks": 1, "eval.every": 0,
                 "rl.save_every": 10**6, "rollout.max_context_tokens": 4096, "rollout.num_cpus": args.threads,
-                "rl.learner_num_cpus": args.threads}
+                "learner.num_cpus": args.threads}
     return ([f"run.output_dir={out_dir}", f"run.name=k3rl_ray_{os.getpid()}", f"run.seed={args.seed}",
              f"rl.model_path={model_dir}", f"env.tasks_path={tasks_path}",
              "algo.args={adv_eps: 1.0e-4, eps_low: 0.2, eps_high: 0.2, tis_level: none}"]

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from k3rl.rl.config import ConfigError, JobConfig, load_config
 
@@ -155,7 +155,7 @@ def test_every_learner_setting_reaches_the_learner_config():
     assert (cfg.model_path, cfg.algo, cfg.seed) == ("/policy", "ppo", 5)
     # the sharded learner's keys (refused with Muon and segments above, so set on their own)
     job = load_config(None, ["learner.expert_parallel=2", "learner.fsdp=true", "learner.share_prefix=false",
-                             "rl.num_learners=2", "algo.args.kl_coef=0"])
+                             "learner.num_ranks=2", "algo.args.kl_coef=0"])
     cfg = LearnerConfig.from_job(job, "/policy")
     assert (cfg.expert_parallel, cfg.fsdp, cfg.sharded) == (2, True, True)
     # a decaying schedule without learner.total_steps decays over the job's steps
@@ -170,6 +170,7 @@ def test_every_old_recipe_key_has_a_new_place_in_the_schema():
 
     defaults = OmegaConf.structured(JobConfig)
     for old, new in MOVED_KEYS.items():
+        old, new = old.replace("[i]", "[0]"), new.replace("[i]", "[0]")
         assert OmegaConf.select(defaults, old, default="gone") == "gone", old
         assert OmegaConf.select(defaults, new, default="gone") != "gone", new
 
@@ -201,3 +202,126 @@ def test_enum_choices_read_and_ship_as_plain_strings(tmp_path):
     assert "mode: async" in to_yaml(cfg) and "optimizer: muon" in to_yaml(cfg)
     lc = LearnerConfig.from_job(cfg, tmp_path)
     assert type(lc.optimizer) is str and lc.optimizer == "muon" and type(lc.dtype) is str and lc.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("old,new", [("rl.num_learners", "learner.num_ranks"), ("rl.learner_num_cpus", "learner.num_cpus"),
+                                     ("rl.learner_num_gpus", "learner.num_gpus"), ("pretrain.num_learners", "learner.num_ranks"),
+                                     ("sft.lr", "sft.learner.lr"), ("sft.lr_scheduler", "sft.learner.lr_scheduler"),
+                                     ("sft.logprob_chunk_size", "sft.learner.logprob_chunk_size"),
+                                     ("pretrain.weight_decay", "pretrain.learner.weight_decay"),
+                                     ("eval.tasks_file", "eval.tasks_path")])
+def test_a_key_of_the_one_schema_names_its_new_place(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=f"override '{old}=2': config key '{old}' has moved to '{new}'"):
+        load_config(ROOT / "configs/rl/quickstart.yaml", [f"{old}=2"])
+    section, key = old.split(".")
+    (tmp_path / "old.yaml").write_text(f"{section}:\n  {key}: 2\n")
+    with pytest.raises(ConfigError, match=f"old.yaml: config key '{old}' has moved to '{new}'"):
+        load_config(tmp_path / "old.yaml")
+
+
+def test_a_stage_key_names_its_new_place_with_its_index(tmp_path):
+    (tmp_path / "old.yaml").write_text("pretrain:\n  stages:\n    - {seq_len: 256}\n    - {seq_len: 512, schedule: cosine}\n")
+    with pytest.raises(ConfigError, match=r"config key 'pretrain.stages\[1\].schedule' has moved to "
+                                          r"'pretrain.stages\[1\].learner.lr_scheduler'"):
+        load_config(tmp_path / "old.yaml")
+
+
+def test_each_command_keeps_its_own_sections():
+    """A recipe serves several commands: it is checked whole, and each command's schema keeps its sections."""
+    from k3rl.rl.config import EvalJob, PretrainJob, QuickstartJob, SFTJob, TrainJob
+
+    recipe = ROOT / "configs/rl/quickstart.yaml"
+    whole = load_config(recipe)
+    for schema, absent in [(TrainJob, {"sft", "pretrain"}), (SFTJob, {"rl", "pretrain"}), (QuickstartJob, {"pretrain"}),
+                           (PretrainJob, {"rl", "sft"}), (EvalJob, {"rl", "sft", "pretrain", "learner", "algo"})]:
+        cfg = load_config(recipe, schema=schema)
+        assert OmegaConf.get_type(cfg) is schema and not absent & set(cfg)
+        for name in cfg:
+            assert OmegaConf.to_container(cfg[name], resolve=True) == OmegaConf.to_container(whole[name], resolve=True)
+    assert load_config(recipe, schema=TrainJob).learner.num_cpus == 2.0
+    with pytest.raises(ConfigError, match="unknown config key 'sft.nope'"):
+        load_config(recipe, ["sft.nope=1"], schema=TrainJob)
+
+
+def test_sft_and_stages_override_the_learner_section():
+    """`sft.learner` and `pretrain.stages[i].learner` set what they name; a null field leaves `learner:`'s value."""
+    from k3rl.rl.config import learner_overrides
+
+    cfg = load_config(ROOT / "configs/rl/quickstart.yaml", ["learner.weight_decay=0.3", "sft.learner.max_grad_norm=2"])
+    assert learner_overrides(cfg.sft.learner) == {"lr": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 10,
+                                                  "weight_decay": 0.0, "max_grad_norm": 2.0,
+                                                  "gradient_checkpointing": False, "logprob_chunk_size": 1024}
+    cfg = load_config(ROOT / "configs/pretrain/cpu.yaml")
+    assert learner_overrides(cfg.pretrain.learner, cfg.pretrain.stages[2].learner) == {
+        "weight_decay": 0.1, "max_grad_norm": 1.0, "lr": 1.5e-3, "lr_scheduler": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1,
+        "segment_tokens": 2048}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("learner.num_ranks=0", "learner.num_ranks: must be ≥ 1, got 0"),
+    ("sft.learner.logprob_chunk_size=0", "sft.learner.logprob_chunk_size: must be > 0, got 0"),
+    ("sft.learner.lr_scheduler=constant", "sft.learner.warmup_steps: 10 with sft.learner.lr_scheduler=constant"),
+])
+def test_value_checks_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(ROOT / "configs/rl/quickstart.yaml", [override])
+
+
+def _leaves(data, path=""):
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _leaves(value, f"{path}.{key}" if path else key).items()}
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        return {k: v for i, value in enumerate(data) for k, v in _leaves(value, f"{path}[{i}]").items()}
+    return {path: data}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT)) for p in RECIPES])
+def test_k3rl_config_prints_the_values_it_printed_before_apart_from_moved_keys(path):
+    """tests/fixtures/config_before/ holds `k3rl config` of each recipe before the schema was split per command.
+    Every value is the same, at its new place for a moved key; the only keys added are the learner's ranks and
+    resources (`learner.num_ranks`, …) and a stage's `learner.segment_tokens` (null before and after)."""
+    import yaml
+
+    from k3rl.rl.config import MOVED_KEYS, to_yaml
+    from k3rl.util.yaml_config import moved_to
+
+    name = "_".join(path.relative_to(ROOT / "configs").with_suffix("").parts)
+    before = _leaves(yaml.safe_load((ROOT / "tests/fixtures/config_before" / f"{name}.yaml").read_text()))
+    after = _leaves(yaml.safe_load(to_yaml(load_config(path))))
+    targets = set()
+    for key, value in before.items():
+        new = moved_to(key, MOVED_KEYS) or key
+        targets.add(new)
+        assert new in after, key
+        assert after[new] == value, (key, new, value, after[new])
+    assert set(after) == targets
+
+
+def test_every_key_the_docs_name_resolves():
+    """Each dotted key README.md, docs/ and envs/README.md write (`learner.num_ranks`, `eval.tasks_path=…`) is a key
+    of the schema (an entry of a free-form dict such as `env.args.length` counts when the dict is), or an old key
+    whose move is named."""
+    import re
+
+    from k3rl.rl.config import MOVED_KEYS
+
+    sections = "run|ray|model|rl|algo|rollout|env|learner|pretrain|eval|sft"
+    pattern = re.compile(rf"(?<![\w./-])((?:{sections})(?:\.[a-z_]+|\[[0-9i]\])+)(?=[=`\s,:)])")
+    defaults = OmegaConf.structured(JobConfig)
+    texts = [ROOT / "README.md", ROOT / "envs/README.md", *sorted(set((ROOT / "docs").glob("*.md")) - {ROOT / "docs/model_spec.md"})]
+    missing = []
+    for path in texts:
+        for key in set(pattern.findall(path.read_text())):
+            if key.rsplit(".", 1)[-1] in ("py", "json", "jsonl", "yaml", "md", "png", "pt"):
+                continue
+            here = key.replace("[i]", "[0]")
+            parent = here.rsplit(".", 1)[0]
+            if OmegaConf.select(defaults, here, default="gone") != "gone":
+                continue
+            if key in MOVED_KEYS and f"'{key}' has moved" in path.read_text():
+                continue
+            node = OmegaConf.select(defaults, parent, default=None)
+            if isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict:
+                continue
+            missing.append(f"{path.name}: {key}")
+    assert not missing, missing

@@ -13,11 +13,11 @@ recipe names where it moved. The package: `sections.py` (run, ray, rl, algo, rol
 util/yaml_config.py.
 """
 
-from k3rl.rl.config.learner import LearnerSettings
+from k3rl.rl.config.learner import LearnerSection, LearnerSettings, PretrainLearner, SFTLearner, StageLearner, learner_overrides
 from k3rl.rl.config.loader import check_model_code, load_config, load_model_config, to_yaml
 from k3rl.rl.config.moved import MOVED_KEYS
-from k3rl.rl.config.pretrain import DataSource, LRShape, OptimizerHandoff, PlanConfig, PretrainConfig, StageConfig
-from k3rl.rl.config.schemas import JobConfig, SFTConfig
+from k3rl.rl.config.pretrain import DataSource, OptimizerHandoff, PlanConfig, PretrainConfig, StageConfig
+from k3rl.rl.config.schemas import EvalJob, JobConfig, PretrainJob, QuickstartJob, SFTConfig, SFTJob, TrainJob
 from k3rl.rl.config.sections import (
     AlgoSection,
     BadRows,
@@ -38,7 +38,8 @@ from k3rl.util.yaml_config import ConfigError
 
 __all__ = [
     "MOVED_KEYS", "AlgoSection", "BadRows", "ConfigError", "DType", "DataSource", "EngineName", "EnvSection", "EvalConfig",
-    "JobConfig", "LRSchedule", "LRShape", "LearnerSettings", "Mode", "Optimizer", "OptimizerHandoff", "PartialResume",
-    "PlanConfig", "PretrainConfig", "RLConfig", "RayConfig", "RolloutConfig", "RunConfig", "SFTConfig", "StageConfig",
-    "check_model_code", "load_config", "load_model_config", "to_yaml",
+    "EvalJob", "JobConfig", "LRSchedule", "LearnerSection", "LearnerSettings", "Mode", "Optimizer", "OptimizerHandoff",
+    "PartialResume", "PlanConfig", "PretrainConfig", "PretrainJob", "PretrainLearner", "QuickstartJob", "RLConfig",
+    "RayConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTJob", "SFTLearner", "StageConfig", "StageLearner",
+    "TrainJob", "check_model_code", "learner_overrides", "load_config", "load_model_config", "to_yaml",
 ]

@@ -1,17 +1,21 @@
-"""The `learner:` section: how the policy is optimised, for every objective the learner trains (RL, SFT, pretraining)."""
+"""The `learner:` section (how the policy is optimised, and on how many Ray ranks) and the override sections of the
+commands that train with other settings: `sft.learner`, `pretrain.learner`, `pretrain.stages[i].learner`. An
+override section's fields replace the `learner:` fields of the same name for that command (a null one, such as a
+stage's `segment_tokens`, leaves the `learner:` value); `learner_overrides` collects them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, Optional
 
 from k3rl.rl.config.sections import DType, LRSchedule, Optimizer
 
 
 @dataclass
 class LearnerSettings:
-    """The `learner:` section: how the policy is optimised, for every objective the learner trains
-    (rl/train/learner.py `LearnerConfig` adds what the driver decides: model, algorithm, seed, device)."""
+    """How the policy is optimised, for every objective the learner trains (rl/train/learner.py `LearnerConfig`
+    adds what the driver decides: model, algorithm, seed, device)."""
 
     lr: float = 1e-5
     """Peak learning rate of the optimizer."""
@@ -71,10 +75,82 @@ class LearnerSettings:
     expert_parallel: int = 1
     """K3: split the routed experts of every MoE layer across this many learner ranks (all-to-all token dispatch,
     rl/train/expert_parallel.py); the ranks form data-parallel replicas of `expert_parallel` ranks each, so the number of
-    learner ranks (`rl.num_learners`) must be a multiple of it. 1: every rank holds every expert."""
+    learner ranks (`learner.num_ranks`) must be a multiple of it. 1: every rank holds every expert."""
     fsdp: bool = False
     """K3: shard parameters, gradients and optimizer states across the learner ranks with FSDP2 (the routed experts
     across the data-parallel replicas, as they are already split by `expert_parallel`; rl/train/parallel.py). With
     `expert_parallel > 1` or `fsdp` (and more than one rank) the learner runs only AdamW, no reference model
     (`algo.args.kl_coef: 0`), whole sequences (`segment_tokens: null`) and no prefix sharing (`share_prefix: false`),
     since every rank must run the same forward and backward passes."""
+
+
+@dataclass
+class LearnerSection(LearnerSettings):
+    """The `learner:` section: the settings above plus the Ray resources of the learner's ranks."""
+
+    num_ranks: int = 1
+    """Data-parallel learner ranks (Ray actors; `k3rl pretrain`: > 1 puts them on Ray, 1 trains in the driver)."""
+    num_cpus: float = 1.0
+    """Ray CPUs per learner rank."""
+    num_gpus: float = 0.0
+    """Ray GPUs per learner rank (run.device=cuda)."""
+
+
+@dataclass
+class SFTLearner:
+    """`sft.learner`: SFT's own optimisation, replacing these fields of the `learner:` section (whose values are RL's);
+    the other `learner:` fields (optimizer, dtype, micro_batch_tokens, …) apply to SFT as they are."""
+
+    lr: float = 1e-3
+    """Peak learning rate of SFT (the `learner:` section's is RL's)."""
+    lr_scheduler: LRSchedule = LRSchedule["constant_with_warmup"]
+    """`constant`, `constant_with_warmup`, `linear` or `cosine` (decaying to 0 at the last step)."""
+    warmup_steps: int = 10
+    """Linear warmup of the learning rate from 0 over this many steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay on matrices (as `learner.weight_decay`)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, slower)."""
+    logprob_chunk_size: int = 1024
+    """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
+
+
+@dataclass
+class PretrainLearner:
+    """`pretrain.learner`: what every pretraining stage trains with instead of these fields of the `learner:`
+    section; a stage's own `stages[i].learner` comes on top."""
+
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class StageLearner:
+    """`pretrain.stages[i].learner`: one stage's own rate and schedule (over the stage's steps), on top of
+    `pretrain.learner` and `learner:`."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    lr_scheduler: LRSchedule = LRSchedule["wsd"]
+    """`wsd` (warmup, stable, decay over the stage's last `decay_fraction`), `cosine` (warmup, then cosine to
+    `min_lr_ratio`), `linear`, `constant` (after the warmup, if any) or `constant_with_warmup`."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """The learning rate at the end of the decay, as a fraction of `lr`."""
+    segment_tokens: Optional[int] = None
+    """Segment-recurrent training above this many tokens per document (null: `learner.segment_tokens`)."""
+
+
+def learner_overrides(*sections: Any) -> dict[str, Any]:
+    """The fields of override sections that are not null, later sections winning; choices as plain strings (what
+    Ray ships), ready for `LearnerConfig.from_job(job, path, **overrides)`."""
+    values: dict[str, Any] = {}
+    for section in sections:
+        names = list(section.keys()) if hasattr(section, "keys") else [f.name for f in fields(section)]
+        for name in names:
+            value = getattr(section, name)
+            if value is not None:
+                values[name] = str(value) if isinstance(value, Enum) else value
+    return values

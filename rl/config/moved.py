@@ -12,5 +12,15 @@ MOVED_KEYS = {
     "rl.num_tasks": "env.num_tasks", "rl.bad_task_rows": "env.bad_task_rows", "rl.success_key": "env.success_key",
     "rl.eval_every": "eval.every", "rl.eval_tasks_path": "eval.tasks_path", "rl.eval_tasks": "eval.num_tasks",
     "rl.eval_seed": "eval.seed", "rl.eval_temperature": "eval.temperature", "eval.tasks": "eval.families",
+    "eval.tasks_file": "eval.tasks_path",
+    "rl.num_learners": "learner.num_ranks", "rl.learner_num_cpus": "learner.num_cpus",
+    "rl.learner_num_gpus": "learner.num_gpus", "pretrain.num_learners": "learner.num_ranks",
+    **{f"sft.{key}": f"sft.learner.{key}" for key in ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
+                                                      "gradient_checkpointing", "logprob_chunk_size")},
+    "pretrain.weight_decay": "pretrain.learner.weight_decay", "pretrain.max_grad_norm": "pretrain.learner.max_grad_norm",
+    **{f"pretrain.stages[i].{key}": f"pretrain.stages[i].learner.{key}"
+       for key in ("lr", "warmup_steps", "min_lr_ratio", "segment_tokens")},
+    "pretrain.stages[i].schedule": "pretrain.stages[i].learner.lr_scheduler",
 }
-"""Keys of earlier recipes and where they live now: using one is an error that names the new place."""
+"""Keys of earlier recipes and where they live now: using one is an error that names the new place (`[i]`: any
+item of a list)."""

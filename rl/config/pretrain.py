@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
 
-LRShape = StrEnum("LRShape", {n: n for n in ("wsd", "cosine", "constant")})
-"""A pretraining stage's learning-rate shape: `wsd` (warmup, stable, decay over the last `decay_fraction`),
-`cosine` (warmup, then cosine to `min_lr_ratio`) or `constant` (after warmup)."""
+from k3rl.rl.config.learner import PretrainLearner, StageLearner
+
 OptimizerHandoff = StrEnum("OptimizerHandoff", {"keep": "keep", "reset": "reset"})
 """What a stage takes of the previous stage's optimizer: its moments (`keep`) or nothing (`reset`)."""
 
@@ -46,14 +45,10 @@ class StageConfig:
     """Token budget of the stage (rounded up to whole optimizer steps of `batch_tokens`)."""
     batch_tokens: int = 65536
     """Tokens per optimizer step over all ranks (a multiple of `seq_len`)."""
-    lr: float = 3e-4
-    """Peak learning rate."""
-    schedule: LRShape = LRShape["wsd"]
-    warmup_steps: int = 0
+    learner: StageLearner = field(default_factory=StageLearner)
+    """The stage's learning rate, schedule and segment length (on top of `pretrain.learner` and `learner:`)."""
     decay_fraction: float = 0.2
     """`wsd`: the fraction of the stage's steps spent decaying."""
-    min_lr_ratio: float = 0.0
-    """The learning rate at the end of the decay, as a fraction of `lr`."""
     rope_theta: Optional[float] = None
     """RoPE base of the MLA layers from this stage on (models with `mla_use_nope: false`; null keeps the model's;
     under NoPE it is ignored, and the run says so once)."""
@@ -62,8 +57,6 @@ class StageConfig:
     optimizer: OptimizerHandoff = OptimizerHandoff["keep"]
     """From the previous stage's final checkpoint: keep its optimizer moments or reset them (the first stage
     starts fresh either way)."""
-    segment_tokens: Optional[int] = None
-    """Segment-recurrent training above this many tokens per document (null: `learner.segment_tokens`)."""
 
 
 @dataclass
@@ -89,8 +82,6 @@ class PretrainConfig:
     """Corpora by name; stages mix them (`stages[i].mixture`). Empty: the built-in corpora, `wiki` (short
     documents) and `plays` (`shakespeare`, whole plays: the long documents)."""
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
-    num_learners: int = 1
-    """Data-parallel learner ranks (> 1: Ray actors, as the RL learner's `rl.num_learners`)."""
     heldout_source: Optional[str] = None
     """Source whose `heldout_docs` longest-available documents are held out for perplexity by position (null:
     the source with the longest documents)."""
@@ -106,5 +97,6 @@ class PretrainConfig:
     eval_lengths: list[int] = field(default_factory=list)
     """Grid lengths (those ≤ the stage's length are used); empty: powers of 4 from 512 up to the stage length."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
+    learner: PretrainLearner = field(default_factory=PretrainLearner)
+    """What every stage trains with instead of these `learner:` fields (weight decay, clipping); the ranks are
+    `learner.num_ranks`."""

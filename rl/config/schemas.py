@@ -1,4 +1,9 @@
-"""The schema of each command, composed of the shared sections."""
+"""The schema of each command, composed of the shared sections, and the `sft:` section.
+
+A command reads only its schema's sections (`TrainJob`, `SFTJob`, `PretrainJob`, `EvalJob`, `QuickstartJob`). A recipe
+may serve several commands (configs/rl/quickstart.yaml: `k3rl quickstart`, `k3rl train`, `k3rl sft`), so it is checked
+against `JobConfig`, the union of their sections (what `k3rl config` prints), and each command then keeps its own
+sections (rl/config/loader.py)."""
 
 from __future__ import annotations
 
@@ -6,16 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from k3rl.model.config import ModelConfig
-from k3rl.rl.config.learner import LearnerSettings
+from k3rl.rl.config.learner import LearnerSection, SFTLearner
 from k3rl.rl.config.pretrain import PretrainConfig
-from k3rl.rl.config.sections import AlgoSection, EnvSection, EvalConfig, LRSchedule, RayConfig, RLConfig, RolloutConfig, RunConfig
+from k3rl.rl.config.sections import AlgoSection, EnvSection, EvalConfig, RayConfig, RLConfig, RolloutConfig, RunConfig
 
 
 @dataclass
 class SFTConfig:
     """Supervised warm start on oracle demonstrations (`k3rl sft`). What a rollout allows comes from
-    the `rl:` section (`max_turns`, `max_new_tokens` per turn, `max_context_tokens`), so every
-    demonstration is one the rollouts that follow could have produced; longer ones are dropped."""
+    the `rollout:` section (`max_turns`, `max_new_tokens` per turn, `max_context_tokens`), so every
+    demonstration is one the rollouts that follow could have produced; longer ones are dropped. The learner is
+    the `learner:` section with `sft.learner` on top."""
 
     env: Optional[str] = None
     """Registered environment whose oracle plays the demonstrations; null: `env.name`."""
@@ -51,23 +57,11 @@ class SFTConfig:
     grad_accum: int = 8
     """Micro-batches per optimizer step: each step trains on `batch_size × grad_accum` demonstrations,
     and the update equals one batch of them (the loss divides by the step's loss tokens)."""
-    lr: float = 1e-3
-    """Peak learning rate of SFT (the `learner:` section's is RL's); the other `learner:` settings
-    (optimizer, dtype, micro_batch_tokens, …) apply to SFT as well."""
-    lr_scheduler: LRSchedule = LRSchedule["constant_with_warmup"]
-    """`constant`, `constant_with_warmup`, `linear` or `cosine` (decaying to 0 at the last step)."""
-    warmup_steps: int = 10
-    """Linear warmup of the learning rate from 0 over this many steps."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay on matrices (as `learner.weight_decay`)."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
+    learner: SFTLearner = field(default_factory=SFTLearner)
+    """SFT's rate, schedule, weight decay, clipping, checkpointing and LM-head chunk, in place of the `learner:`
+    section's (RL's); the other `learner:` settings (optimizer, dtype, micro_batch_tokens, …) apply to SFT as well."""
     logging_steps: int = 10
     """Steps per line of progress and per row of `metrics.jsonl` (means over the steps since the last row)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (less memory, slower)."""
-    logprob_chunk_size: int = 1024
-    """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
     eval_tasks: int = 0
     """Held-out tasks (`env.tasks(eval_tasks, seed=eval.seed)` minus training tasks) rolled out
     greedily after training: success (rl/eval/evaluate.py, the environment's rule or `env.success_key`), well-formed
@@ -75,8 +69,8 @@ class SFTConfig:
 
 
 @dataclass
-class JobConfig:
-    """Every section a k3rl job can set; commands read the sections they need."""
+class TrainJob:
+    """`k3rl train`: RL post-training on Ray."""
 
     run: RunConfig = field(default_factory=RunConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -85,7 +79,73 @@ class JobConfig:
     algo: AlgoSection = field(default_factory=AlgoSection)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvSection = field(default_factory=EnvSection)
-    learner: LearnerSettings = field(default_factory=LearnerSettings)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class SFTJob:
+    """`k3rl sft`: the supervised warm start (`algo:` is replaced by the `nll` objective)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvSection = field(default_factory=EnvSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+@dataclass
+class PretrainJob:
+    """`k3rl pretrain`: the staged context climb, and after each stage `k3rl eval`'s grid (`eval:`, `rollout:`,
+    `env:`) on its model (`algo:` is replaced by the `nll` objective)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvSection = field(default_factory=EnvSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class EvalJob:
+    """`k3rl eval`: long-context evidence retrieval of `eval.model_path` or `eval.endpoint`."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvSection = field(default_factory=EnvSection)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class QuickstartJob(TrainJob):
+    """`k3rl quickstart`: SFT (`sft:`), then RL (`k3rl train`'s sections) on the SFT model."""
+
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+@dataclass
+class JobConfig:
+    """A recipe: every section of the commands' schemas (a recipe may serve several commands); `k3rl config`
+    prints it resolved, and a command keeps its own schema's sections."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvSection = field(default_factory=EnvSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -67,7 +67,7 @@ LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_wa
 class RLConfig:
     """The schedule of the policy-gradient job: how many steps of how many samples, sync or async, where
     the initial policy is, checkpoints. The algorithm is in `algo:`, the rollouts in `rollout:`, the tasks
-    in `env:`, held-out evaluation in `eval:`, the optimizer in `learner:`."""
+    in `env:`, held-out evaluation in `eval:`, the optimizer and the learner's ranks in `learner:`."""
 
     steps: int = 20
     tasks_per_step: int = 8
@@ -78,12 +78,6 @@ class RLConfig:
     """`sync` or `async` (rollouts continue while the learner trains)."""
     max_staleness: int = 1
     """Async mode: the most policy versions a trained token may lag behind the learner."""
-    num_learners: int = 1
-    """Data-parallel learner ranks (Ray actors)."""
-    learner_num_cpus: float = 1.0
-    """Ray CPUs per learner rank."""
-    learner_num_gpus: float = 0.0
-    """Ray GPUs per learner rank (run.device=cuda)."""
     save_every: int = 10
     """Checkpoint every this many steps (and after the last)."""
     resume: bool = False
@@ -166,13 +160,15 @@ class EnvSection:
 
 @dataclass
 class EvalConfig:
-    """Evaluation: the trainer's held-out evaluation (`every`, `tasks_path`, `num_tasks`, `seed`,
-    `temperature`) and the long-context evidence-retrieval settings (`families`, `context_lengths`, `serve`)."""
+    """Evaluation: the held-out tasks (`tasks_path`, `num_tasks`, `seed`), the trainer's schedule and sampling
+    (`every`, `temperature`) and the long-context evidence-retrieval settings (`families`, `context_lengths`, `serve`)."""
 
     every: int = 10
     """Evaluate every this many steps (also before the first and after the last); 0: never."""
     tasks_path: Optional[str] = None
-    """JSONL file of held-out tasks; null: `env.tasks(num_tasks, seed=seed)`."""
+    """JSONL file of held-out tasks: the trainer's (tasks of `env:`; null: `env.tasks(num_tasks, seed=seed)`), or
+    `k3rl eval`'s tasks of the `file` family (real questions and documents; format in envs/README.md), whose first
+    `num_tasks` tasks fill each of its cells."""
     num_tasks: int = 32
     """Held-out tasks drawn from the environment when `tasks_path` is null."""
     seed: int = 1_000_003
@@ -181,10 +177,7 @@ class EvalConfig:
     """Sampling temperature of evaluation (0: greedy)."""
     families: list[str] = field(default_factory=lambda: ["needle", "multihop"])
     """Long-context task families of `k3rl eval` (envs/longctx/: needle, multihop, aggregate, ith; `file`: the
-    real tasks of `tasks_file`)."""
-    tasks_file: Optional[str] = None
-    """`k3rl eval`: the JSONL task file of the `file` family (real questions and documents; format in
-    envs/README.md), whose first `num_tasks` tasks fill each of its cells. Not `tasks_path` (the trainer's)."""
+    real tasks of `tasks_path`)."""
     context_lengths: list[int] = field(default_factory=lambda: [4096])
     """Lengths (tokens of the in-context prompt, counted with the evaluated model's tokenizer) of `k3rl eval`'s grid."""
     serve: list[str] = field(default_factory=lambda: ["context"])

@@ -7,7 +7,7 @@
   document's first token is never predicted from the one before) — row r of stage s is a pure function of (seed, s, r);
 - rl/train/learner.py: the learner of RL and SFT with the `nll` objective (rl/algos/nll.py): packed rows run as
   separate documents, a document longer than the stage's segment runs segment by segment (rl/train/segments.py);
-  `pretrain.num_learners > 1` puts the ranks on Ray exactly as the RL learner (`LearnerGroup`);
+  `learner.num_ranks > 1` puts the ranks on Ray exactly as the RL learner (`LearnerGroup`);
 - rl/pretrain/climb_report.py: loss by position on held-out long documents, plots; rl/eval/grid.py
   `eval_model_grid`: the retrieval grid on each stage's final model; rl/pretrain/plan.py: the cost, written beside
   the results.
@@ -143,7 +143,7 @@ class Climb:
         self.stores: dict[str, Any] = {}
         self.heldout: dict[str, list[int]] = {}
         self.summary: list[dict[str, Any]] = []
-        self.owns_ray = False  # a local Ray cluster this climb started (num_learners > 1), shut down at the end
+        self.owns_ray = False  # a local Ray cluster this climb started (learner.num_ranks > 1), shut down at the end
 
     def start_model(self) -> Path:
         """`pretrain.model_dir`, or a random model (with the built-in tokenizer) in `run_dir/init`."""
@@ -189,7 +189,7 @@ class Climb:
         from k3rl.rl.train.learner import Learner, LearnerGroup
 
         lcfg = st.learner_config(self.cfg, index, model_path, self.model_config)
-        ranks = self.cfg.pretrain.num_learners
+        ranks = self.cfg.learner.num_ranks
         if ranks == 1:
             import torch
 
@@ -238,7 +238,8 @@ class Climb:
         latest = manager.latest()
         learner, start = self.stage_learner(index, previous, latest)
         theta = learner.cfg.rope_theta
-        print(f"{sdir.name}: {steps} steps × {rows} rows of {stage.seq_len} tokens, lr {stage.lr:g} ({stage.schedule}), "
+        print(f"{sdir.name}: {steps} steps × {rows} rows of {stage.seq_len} tokens, "
+              f"lr {stage.learner.lr:g} ({stage.learner.lr_scheduler}), "
               f"segments {learner.cfg.segment_tokens or 'off'}, "
               f"{'RoPE base ' + format(theta, 'g') if theta else 'positions unchanged (NoPE/KDA)'}, optimizer "
               f"{'fresh' if previous is None else stage.optimizer} — from {latest or previous or 'random init'}",

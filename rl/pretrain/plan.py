@@ -116,7 +116,7 @@ def _setting(obj: Any, name: str, default: Any = None) -> Any:
 def plan(model_config: Any, stages: Sequence[Any], learner: Any, plan: Any, num_ranks: int = 1,
          summary: Optional[ParamSummary] = None) -> list[StagePlan]:
     """The cost of every stage (module docstring). `stages`: StageConfig-like (seq_len, tokens, batch_tokens,
-    segment_tokens); `learner`: LearnerSettings-like (dtype, micro_batch_tokens, micro_batch_seqs, segment_tokens,
+    learner.segment_tokens); `learner`: LearnerSettings-like (dtype, micro_batch_tokens, micro_batch_seqs, segment_tokens,
     optimizer); `plan`: PlanConfig-like (gpu, num_gpus, mfu, dtype_bytes); `num_ranks`: data-parallel learner ranks."""
     gpu_name = str(_setting(plan, "gpu", "h200"))
     if gpu_name not in GPUS:
@@ -131,7 +131,7 @@ def plan(model_config: Any, stages: Sequence[Any], learner: Any, plan: Any, num_
     plans = []
     for i, stage in enumerate(stages):
         seq_len, batch_tokens = int(stage.seq_len), int(stage.batch_tokens)
-        seg = _setting(stage, "segment_tokens") or _setting(learner, "segment_tokens")
+        seg = _setting(stage.learner, "segment_tokens") or _setting(learner, "segment_tokens")
         segmented = bool(seg) and seq_len > seg
         steps = max(1, math.ceil(int(stage.tokens) / batch_tokens))
         rows_per_step = max(1, batch_tokens // seq_len)
@@ -306,7 +306,7 @@ def _assumptions(plans: Sequence[StagePlan], gpu: GPU) -> list[str]:
 
 def plan_from_job(cfg: Any) -> tuple[str, list[StagePlan]]:
     """The plan of a loaded JobConfig: model from `pretrain.model_dir`'s config.json when set (else the `model:`
-    section), the `learner:` section, `pretrain.stages`, `pretrain.plan`, `pretrain.num_learners` ranks."""
+    section), the `learner:` section, `pretrain.stages`, `pretrain.plan`, `learner.num_ranks` ranks."""
     from pathlib import Path
 
     from k3rl.model.config import K3Config
@@ -324,10 +324,10 @@ def plan_from_job(cfg: Any) -> tuple[str, list[StagePlan]]:
         config = K3Config.from_model_config(cfg.model)
         name = "the model: section"
     summary = parameter_summary(config, str(cfg.learner.optimizer))
-    plans = plan(config, list(pre.stages), cfg.learner, pre.plan, int(pre.num_learners), summary=summary)
+    plans = plan(config, list(pre.stages), cfg.learner, pre.plan, int(cfg.learner.num_ranks), summary=summary)
     text = format_plan(plans, summary, str(pre.plan.gpu), float(pre.plan.mfu))
     text = f"{cfg.run.name}: {name}, learner {cfg.learner.dtype} / {cfg.learner.optimizer}, " \
-           f"{pre.num_learners} data-parallel rank(s)\n" + text
+           f"{cfg.learner.num_ranks} data-parallel rank(s)\n" + text
     return text, plans
 
 

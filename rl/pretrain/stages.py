@@ -1,6 +1,6 @@
 """The stages of the staged context climb: what each one is, checked before any work starts.
 
-A stage (`pretrain.stages[i]`, rl/config.py `StageConfig`) trains the next-token objective (rl/algos/nll.py) on
+A stage (`pretrain.stages[i]`, rl/config/pretrain.py `StageConfig`) trains the next-token objective (rl/algos/nll.py) on
 the learner of RL and SFT (rl/train/learner.py) at one sequence length: `steps` optimizer steps of `rows` packed rows
 of `seq_len` tokens (rl/pretrain/packing.py), at its own learning-rate schedule, RoPE base and data mixture, starting
 from the previous stage's final checkpoint. This module turns a stage into the learner's settings
@@ -43,14 +43,15 @@ def stage_dir(run_dir: Path, index: int, stage: StageConfig) -> Path:
 
 def decay_steps(stage: StageConfig) -> int:
     """`wsd`: the steps of the decay (the last `decay_fraction` of the stage)."""
-    return round(stage.decay_fraction * num_steps(stage)) if str(stage.schedule) == "wsd" else 0
+    return round(stage.decay_fraction * num_steps(stage)) if str(stage.learner.lr_scheduler) == "wsd" else 0
 
 
 def schedule_name(stage: StageConfig) -> str:
-    """The learner's `lr_scheduler` for a stage's `schedule` (rl/train/optim.py)."""
-    shape = str(stage.schedule)
+    """The learner's `lr_scheduler` for a stage's `learner.lr_scheduler` (rl/train/optim.py): `constant` with a warmup
+    is `constant_with_warmup`."""
+    shape = str(stage.learner.lr_scheduler)
     if shape == "constant":
-        return "constant_with_warmup" if stage.warmup_steps else "constant"
+        return "constant_with_warmup" if stage.learner.warmup_steps else "constant"
     return shape
 
 
@@ -60,19 +61,18 @@ def uses_rope(model_config: Any) -> bool:
 
 
 def learner_config(cfg: Any, index: int, model_path: str | Path, model_config: Any):
-    """The `LearnerConfig` of stage `index`: the job's `learner:` section with the stage's objective (`nll`),
-    rate, schedule, segment length and RoPE base on top."""
+    """The `LearnerConfig` of stage `index`: the job's `learner:` section with `pretrain.learner`, the stage's
+    `learner` (rate, schedule, segment length), its objective (`nll`) and RoPE base on top."""
+    from k3rl.rl.config import learner_overrides
     from k3rl.rl.train.learner import LearnerConfig
 
     stage, pre = cfg.pretrain.stages[index], cfg.pretrain
-    segment = stage.segment_tokens if stage.segment_tokens is not None else cfg.learner.segment_tokens
     theta = stage.rope_theta if stage.rope_theta is not None and uses_rope(model_config) else None
     try:
         return LearnerConfig.from_job(
-            cfg, model_path, algo="nll", algo_args={}, lr=stage.lr, lr_scheduler=schedule_name(stage),
-            warmup_steps=stage.warmup_steps, total_steps=num_steps(stage), decay_steps=decay_steps(stage),
-            min_lr_ratio=stage.min_lr_ratio, weight_decay=pre.weight_decay, max_grad_norm=pre.max_grad_norm,
-            segment_tokens=segment, rope_theta=theta, share_prefix=False)
+            cfg, model_path, algo="nll", algo_args={}, **{**learner_overrides(pre.learner, stage.learner),
+                                                          "lr_scheduler": schedule_name(stage)},
+            total_steps=num_steps(stage), decay_steps=decay_steps(stage), rope_theta=theta, share_prefix=False)
     except ValueError as e:
         raise ConfigError(f"pretrain.stages[{index}]: {e}") from None
 
@@ -100,20 +100,21 @@ def check_stages(cfg: Any, model_config: Any, sources: dict[str, Any]) -> list[s
         if stage.batch_tokens <= 0 or stage.batch_tokens % stage.seq_len:
             raise ConfigError(f"{key}.batch_tokens: must be a positive multiple of seq_len {stage.seq_len}, got "
                               f"{stage.batch_tokens}")
-        if rows_per_step(stage) % cfg.pretrain.num_learners:
+        if rows_per_step(stage) % cfg.learner.num_ranks:
             raise ConfigError(f"{key}.batch_tokens: {rows_per_step(stage)} rows per step do not split evenly over "
-                              f"pretrain.num_learners = {cfg.pretrain.num_learners} ranks")
-        if not stage.lr > 0:
-            raise ConfigError(f"{key}.lr: must be > 0, got {stage.lr}")
+                              f"learner.num_ranks = {cfg.learner.num_ranks} ranks")
+        if not stage.learner.lr > 0:
+            raise ConfigError(f"{key}.learner.lr: must be > 0, got {stage.learner.lr}")
         if not 0.0 <= stage.decay_fraction <= 1.0:
             raise ConfigError(f"{key}.decay_fraction: must be in [0, 1], got {stage.decay_fraction}")
-        if not 0.0 <= stage.min_lr_ratio <= 1.0:
-            raise ConfigError(f"{key}.min_lr_ratio: must be in [0, 1], got {stage.min_lr_ratio}")
-        if stage.warmup_steps < 0 or stage.warmup_steps + decay_steps(stage) > num_steps(stage):
-            raise ConfigError(f"{key}.warmup_steps: {stage.warmup_steps} warmup + {decay_steps(stage)} decay steps "
+        if not 0.0 <= stage.learner.min_lr_ratio <= 1.0:
+            raise ConfigError(f"{key}.learner.min_lr_ratio: must be in [0, 1], got {stage.learner.min_lr_ratio}")
+        warmup = stage.learner.warmup_steps
+        if warmup < 0 or warmup + decay_steps(stage) > num_steps(stage):
+            raise ConfigError(f"{key}.learner.warmup_steps: {warmup} warmup + {decay_steps(stage)} decay steps "
                               f"do not fit in the stage's {num_steps(stage)} steps")
-        if stage.segment_tokens is not None and stage.segment_tokens < 1:
-            raise ConfigError(f"{key}.segment_tokens: must be ≥ 1 or null, got {stage.segment_tokens}")
+        if stage.learner.segment_tokens is not None and stage.learner.segment_tokens < 1:
+            raise ConfigError(f"{key}.learner.segment_tokens: must be ≥ 1 or null, got {stage.learner.segment_tokens}")
         if stage.rope_theta is not None:
             if not stage.rope_theta > 1.0:
                 raise ConfigError(f"{key}.rope_theta: must be > 1, got {stage.rope_theta}")
@@ -126,7 +127,7 @@ def check_stages(cfg: Any, model_config: Any, sources: dict[str, Any]) -> list[s
         if any(w < 0 for w in stage.mixture.values()) or (stage.mixture and sum(stage.mixture.values()) <= 0):
             raise ConfigError(f"{key}.mixture: weights must be ≥ 0 with a positive sum, got {dict(stage.mixture)}")
     pre = cfg.pretrain
-    for name in ("num_learners", "save_every", "keep_checkpoints", "log_every"):
+    for name in ("save_every", "keep_checkpoints", "log_every"):
         if getattr(pre, name) < 1:
             raise ConfigError(f"pretrain.{name}: must be ≥ 1, got {getattr(pre, name)}")
     if pre.heldout_docs < 0 or pre.heldout_every < 0:

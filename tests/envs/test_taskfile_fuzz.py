@@ -65,10 +65,10 @@ def test_bad_task_files_exit_2_through_k3rl_eval(tmp_path, capsys):
         path.write_bytes(cases[name])
         out = tmp_path / "runs"
         argv = ["eval", str(REPO / "configs/eval/longctx.yaml"), f"run.output_dir={out}", "run.name=e",
-                f"eval.model_path={tmp_path / 'no-model'}", "eval.families=[file]", f"eval.tasks_file={path}"]
+                f"eval.model_path={tmp_path / 'no-model'}", "eval.families=[file]", f"eval.tasks_path={path}"]
         assert main(argv) == 2, name
         captured = capsys.readouterr()
-        assert f"k3rl eval: eval.tasks_file: {path}:1: " in captured.err, (name, captured.err)
+        assert f"k3rl eval: eval.tasks_path: {path}:1: " in captured.err, (name, captured.err)
         assert "Traceback" not in captured.err + captured.out, name
         assert not out.exists(), name
 

@@ -1,4 +1,4 @@
-"""Staged pretraining (`k3rl pretrain`, rl/commands/pretrain.py): packed rows train as separate documents, the stage
+"""Staged pretraining (`k3rl pretrain`, rl/pretrain/climb.py): packed rows train as separate documents, the stage
 hand-off, the RoPE base reaching MLA only, resume after kill -9 with the same data order, named errors for bad stage
 lists. The data pipeline has its own tests (test_pretrain_data.py), the plan too (test_pretrain_plan.py)."""
 
@@ -148,10 +148,10 @@ def climb_config(tmp: Path, name: str, *extra: str, stages: str | None = None) -
     files = _write_corpus(tmp) if not (tmp / "short.jsonl").is_file() else {"short": tmp / "short.jsonl",
                                                                              "long": tmp / "long.jsonl"}
     stages = stages or (
-        "    - {seq_len: 256, tokens: 2048, batch_tokens: 512, lr: 3.0e-3, warmup_steps: 1, schedule: wsd, "
+        "    - {seq_len: 256, tokens: 2048, batch_tokens: 512, learner: {lr: 3.0e-3, warmup_steps: 1, lr_scheduler: wsd}, "
         "decay_fraction: 0.5, rope_theta: 10000, mixture: {short: 1.0, long: 1.0}}\n"
-        "    - {seq_len: 1024, tokens: 4096, batch_tokens: 1024, lr: 2.0e-3, schedule: cosine, rope_theta: 40000, "
-        "segment_tokens: 256, optimizer: keep, mixture: {long: 1.0}}\n")
+        "    - {seq_len: 1024, tokens: 4096, batch_tokens: 1024, learner: {lr: 2.0e-3, lr_scheduler: cosine, "
+        "segment_tokens: 256}, rope_theta: 40000, optimizer: keep, mixture: {long: 1.0}}\n")
     path = tmp / f"{name}.yaml"
     path.write_text(
         f"base: {REPO / 'configs/model/tiny.yaml'}\n"
@@ -186,8 +186,8 @@ def metrics(stage_dir: Path) -> list[dict]:
 def test_stage_handoff_takes_previous_weights_and_optimizer_policy(tmp_path, monkeypatch):
     """Stage 2 starts from stage 1's final checkpoint: the same weights; `optimizer: keep` its AdamW moments with
     stage 2's own learning rate at step 0, `reset` none; the RoPE base is stage 2's."""
-    from k3rl.rl.commands.pretrain import Climb
     from k3rl.rl.config import OptimizerHandoff
+    from k3rl.rl.pretrain.climb import Climb
     from k3rl.rl.train.learner import Learner
 
     monkeypatch.setenv("K3RL_DATA", str(tmp_path / "data"))
@@ -284,19 +284,19 @@ def test_resume_after_kill9_mid_stage_keeps_the_data_order(tmp_path):
 
 
 BAD_STAGES = [
-    ("    - {seq_len: 1024, tokens: 4096, batch_tokens: 1024, lr: 1.0e-3}\n"
-     "    - {seq_len: 512, tokens: 4096, batch_tokens: 1024, lr: 1.0e-3}\n",
+    ("    - {seq_len: 1024, tokens: 4096, batch_tokens: 1024, learner: {lr: 1.0e-3}}\n"
+     "    - {seq_len: 512, tokens: 4096, batch_tokens: 1024, learner: {lr: 1.0e-3}}\n",
      r"pretrain.stages\[1\].seq_len: 512 is not longer than stage 0's 1024"),
-    ("    - {seq_len: 256, tokens: 0, batch_tokens: 512, lr: 1.0e-3}\n", r"pretrain.stages\[0\].tokens: must be > 0"),
-    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 512, lr: 1.0e-3}\n"
-     "    - {seq_len: 8192, tokens: 8192, batch_tokens: 8192, lr: 1.0e-3}\n",
+    ("    - {seq_len: 256, tokens: 0, batch_tokens: 512, learner: {lr: 1.0e-3}}\n", r"pretrain.stages\[0\].tokens: must be > 0"),
+    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 512, learner: {lr: 1.0e-3}}\n"
+     "    - {seq_len: 8192, tokens: 8192, batch_tokens: 8192, learner: {lr: 1.0e-3}}\n",
      r"pretrain.stages\[1\].seq_len: 8192 is above the model's maximum \(max_position_embeddings = 4096\)"),
-    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 300, lr: 1.0e-3}\n",
+    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 300, learner: {lr: 1.0e-3}}\n",
      r"pretrain.stages\[0\].batch_tokens: must be a positive multiple of seq_len 256"),
-    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 512, lr: 1.0e-3, mixture: {books: 1.0}}\n",
+    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 512, learner: {lr: 1.0e-3}, mixture: {books: 1.0}}\n",
      r"pretrain.stages\[0\].mixture: unknown source\(s\) \['books'\]"),
-    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 512, lr: 1.0e-3, warmup_steps: 9}\n",
-     r"pretrain.stages\[0\].warmup_steps: 9 warmup \+ 1 decay steps do not fit in the stage.s 4 steps"),
+    ("    - {seq_len: 256, tokens: 2048, batch_tokens: 512, learner: {lr: 1.0e-3, warmup_steps: 9}}\n",
+     r"pretrain.stages\[0\].learner.warmup_steps: 9 warmup \+ 1 decay steps do not fit in the stage.s 4 steps"),
     ("    []\n", r"pretrain.stages: empty"),
 ]
 
@@ -314,7 +314,7 @@ def test_bad_stage_lists_are_named_before_work_starts(tmp_path, capsys, stages, 
 
 
 def test_nope_model_ignores_rope_base_with_a_note(tmp_path, monkeypatch):
-    from k3rl.rl.commands.pretrain import check
+    from k3rl.rl.pretrain.climb import check
     from k3rl.rl.pretrain.stages import learner_config
 
     cfg = load_config(climb_config(tmp_path, "nope"), ["model.mla_use_nope=true"], JobConfig)
@@ -327,20 +327,20 @@ def test_nope_model_ignores_rope_base_with_a_note(tmp_path, monkeypatch):
 
 @pytest.mark.ray
 def test_data_parallel_ranks_on_ray_train_as_one(ray_cluster, tmp_path, monkeypatch):
-    """`pretrain.num_learners: 2` runs a stage on two Ray learner ranks (the RL learner's `LearnerGroup`): the same
+    """`learner.num_ranks: 2` runs a stage on two Ray learner ranks (the RL learner's `LearnerGroup`): the same
     rows per step and the same losses as one rank."""
     from transformers import AutoTokenizer
 
-    from k3rl.rl.commands.pretrain import Climb
     from k3rl.rl.metrics import read_metrics
+    from k3rl.rl.pretrain.climb import Climb
 
     monkeypatch.setenv("K3RL_DATA", str(tmp_path / "data"))
-    one_stage = ("    - {seq_len: 256, tokens: 1536, batch_tokens: 512, lr: 3.0e-3, schedule: constant, "
+    one_stage = ("    - {seq_len: 256, tokens: 1536, batch_tokens: 512, learner: {lr: 3.0e-3, lr_scheduler: constant}, "
                  "rope_theta: 10000, mixture: {short: 1.0, long: 1.0}}\n")
     losses = {}
     for ranks in (1, 2):
         cfg = load_config(climb_config(tmp_path, f"dp{ranks}", stages=one_stage),
-                          [f"pretrain.num_learners={ranks}", "pretrain.heldout_docs=0"], JobConfig)
+                          [f"learner.num_ranks={ranks}", "pretrain.heldout_docs=0"], JobConfig)
         climb = Climb(cfg)
         climb.load_data(AutoTokenizer.from_pretrained(climb.start_model()))
         final = climb.run_stage(0, None)

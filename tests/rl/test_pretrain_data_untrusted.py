@@ -219,7 +219,7 @@ def test_k3rl_pretrain_exits_2_before_writing(tmp_path, capsys, monkeypatch, nam
         "pretrain:\n"
         f"  sources: {{books: {{path: {tmp_path / 'data' / name}}}}}\n"
         "  heldout_docs: 0\n  eval_grid: false\n"
-        "  stages:\n    - {seq_len: 256, tokens: 2048, batch_tokens: 512, lr: 1.0e-3}\n")
+        "  stages:\n    - {seq_len: 256, tokens: 2048, batch_tokens: 512, learner: {lr: 1.0e-3}}\n")
     assert main(["pretrain", str(config)]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"k3rl pretrain: pretrain.sources.books: {tmp_path / 'data' / name}"), captured.err

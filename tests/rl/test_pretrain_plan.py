@@ -63,11 +63,11 @@ def _measure(model_dir, seq_len: int, rows: int, segment: int | None) -> dict:
 
 def _plan(config, seq_len: int, rows: int, segment: int | None, tokens: int | None = None, optimizer: str = "adamw",
           gpu: str = "cpu-2core", num_ranks: int = 1):
-    from k3rl.rl.config import LearnerSettings, PlanConfig, StageConfig
+    from k3rl.rl.config import LearnerSettings, PlanConfig, StageConfig, StageLearner
     from k3rl.rl.pretrain.plan import plan
 
     stage = StageConfig(seq_len=seq_len, tokens=tokens or seq_len * rows, batch_tokens=seq_len * rows,
-                        segment_tokens=segment)
+                        learner=StageLearner(segment_tokens=segment))
     learner = LearnerSettings(micro_batch_tokens=seq_len * rows, optimizer=optimizer)
     return plan(config, [stage], learner, PlanConfig(gpu=gpu, num_gpus=1, mfu=0.3, dtype_bytes=4), num_ranks)[0]
 
@@ -156,7 +156,7 @@ def test_reference_plan_2p8t_on_the_meta_device():
     config = K3Config.from_model_config(cfg.model)
     start = time.perf_counter()
     summary = parameter_summary(config, str(cfg.learner.optimizer))
-    plans = plan(config, list(cfg.pretrain.stages), cfg.learner, cfg.pretrain.plan, cfg.pretrain.num_learners, summary)
+    plans = plan(config, list(cfg.pretrain.stages), cfg.learner, cfg.pretrain.plan, cfg.learner.num_ranks, summary)
     text = format_plan(plans, summary, str(cfg.pretrain.plan.gpu), cfg.pretrain.plan.mfu)
     assert time.perf_counter() - start < 3.0
     total, active = re.search(r"([\d.]+)T total / ([\d.]+)B active", text).groups()
@@ -188,7 +188,7 @@ def test_plan_from_job_reads_the_model_dir_and_the_ranks(tiny_dir):
     from k3rl.rl.config import load_config
     from k3rl.rl.pretrain.plan import plan_from_job
 
-    cfg = load_config(REPO / "configs/pretrain/cpu.yaml", [f"pretrain.model_dir={tiny_dir}", "pretrain.num_learners=2",
+    cfg = load_config(REPO / "configs/pretrain/cpu.yaml", [f"pretrain.model_dir={tiny_dir}", "learner.num_ranks=2",
                                                             "pretrain.plan.gpu=h100", "pretrain.plan.num_gpus=8"])
     text, plans = plan_from_job(cfg)
     assert "4 layers: 3 KDA, 1 MLA" in text and "8 × h100" in text

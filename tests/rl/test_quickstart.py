@@ -37,7 +37,7 @@ def test_quickstart_runs_end_to_end_and_reports_before_and_after(tmp_path, capsy
     overrides = [f"run.output_dir={tmp_path}", "run.name=qs", "sft.max_steps=3", "sft.num_tasks=8",
                  "env.num_tasks=8", "rl.steps=2", "rl.tasks_per_step=2", "rl.group_size=2", "eval.num_tasks=6",
                  "eval.every=0", "ray.num_cpus=2", "rollout.num_cpus=1",
-                 "rl.learner_num_cpus=1"]
+                 "learner.num_cpus=1"]
     assert main(overrides) == 0
     out = capsys.readouterr().out
     run = tmp_path / "qs"

@@ -54,13 +54,12 @@ def user_dir(tmp_path):
 def recipe(d: Path, model_dir: Path, name: str, **extra) -> Path:
     cfg = {"run": {"name": name, "output_dir": str(d / "runs")},
            "ray": {"num_cpus": 2},
-           "rl": {"model_path": str(model_dir), "steps": 2, "tasks_per_step": 2, "group_size": 2, "save_every": 0,
-                  "learner_num_cpus": 0.5},
+           "rl": {"model_path": str(model_dir), "steps": 2, "tasks_per_step": 2, "group_size": 2, "save_every": 0},
            "env": {"name": "guess_env:Guess", "tasks_path": "train.jsonl"},
            "eval": {"tasks_path": "eval.jsonl", "every": 2},
            "rollout": {"max_new_tokens": 16, "max_turns": 2, "max_context_tokens": 1024, "num_workers": 2,
                        "num_cpus": 0.5},
-           "learner": {"lr": 1e-4}}
+           "learner": {"lr": 1e-4, "num_cpus": 0.5}}
     for key, value in extra.items():
         section, leaf = key.split("__")
         cfg.setdefault(section, {})[leaf] = value

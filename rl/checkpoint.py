@@ -65,6 +65,7 @@ from k3rl.model.formats.integrity import (
     sha256_file,
     verify,
 )
+from k3rl.util import atomic
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
@@ -76,78 +77,25 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_file():
-            _fsync_file(path)
-        elif path.is_dir():
-            _fsync_dir(path)
-    _fsync_dir(root)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def mark_complete(directory: str | Path, **meta: Any) -> None:
     """fsync everything under `directory`, then write its COMPLETE manifest (last, fsynced)."""
     directory = Path(directory)
-    _sync_tree(directory)
+    atomic.sync_tree(directory)
     manifest = {"files": file_manifest(directory), **meta}
     with open(directory / COMPLETE, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(directory)
+    atomic.fsync_dir(directory)
 
 
 @contextmanager
 def atomic_dir(target: str | Path, **meta: Any) -> Iterator[Path]:
-    """Yield a temp dir beside `target`; on success mark it complete and rename it to `target`.
-
-    An existing `target` is replaced only after the new one is complete. On an exception the
-    temp dir is removed and the exception propagates (a hard crash leaves it; it is ignored).
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
+    """Yield a temp dir beside `target`; on success mark it complete (`mark_complete`, with `meta` in the manifest)
+    and rename it to `target` (util/atomic.py `atomic_dir`: an existing `target` is replaced only after the new one
+    is complete; on an exception the temp dir is removed and the exception propagates)."""
+    with atomic.atomic_dir(target, seal=lambda tmp: mark_complete(tmp, **meta)) as tmp:
         yield tmp
-        mark_complete(tmp, **meta)
-        if target.exists():
-            old = target.parent / f".trash-{target.name}-{secrets.token_hex(4)}"
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -201,7 +149,7 @@ class CheckpointManager:
         self.prune()
 
     def _write_latest(self, step: int) -> None:
-        _write_text_atomic(self.root / LATEST, step_dir_name(step) + "\n")
+        atomic.write_text_atomic(self.root / LATEST, step_dir_name(step) + "\n")
 
     def latest(self) -> Optional[Path]:
         return find_latest(self.root)
@@ -213,7 +161,7 @@ class CheckpointManager:
             trash = self.root / f".trash-{path.name}-{secrets.token_hex(4)}"
             os.replace(path, trash)
             removed.append(path)
-        _fsync_dir(self.root)
+        atomic.fsync_dir(self.root)
         for path in self.root.iterdir():
             if path.name.startswith((".trash-", ".tmp-step-")) and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

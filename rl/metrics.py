@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
+
+from k3rl.util.atomic import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 Z95 = 1.959963984540054
@@ -126,13 +127,7 @@ class MetricsLogger:
     def _keep_through(self, step: int) -> Optional[int]:
         """Rewrite metrics.jsonl with the rows of steps ≤ `step` only; the last step kept (None if none)."""
         rows = [r for r in read_metrics(self.run_dir) if r["step"] <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(row) + "\n" for row in rows))
         return max((r["step"] for r in rows), default=None)
 
     def log(self, step: int, scalars: Mapping[str, float], extra: Optional[Mapping[str, Any]] = None) -> None:

@@ -122,7 +122,6 @@ def export_main(argv: list[str]) -> int:
     if os.path.exists(args.dst) and os.listdir(args.dst):
         print(f"k3rl export: {args.dst} exists and is not empty", file=sys.stderr)
         return 2
-    import shutil
     from pathlib import Path
 
     import torch
@@ -133,6 +132,7 @@ def export_main(argv: list[str]) -> int:
     from k3rl.model.formats.load import load_model
     from k3rl.model.formats.save import TOKENIZER_FILES, save_model
     from k3rl.model.formats.trust import check_remote_code
+    from k3rl.util.atomic import atomic_dir
 
     src, dst = Path(args.src), Path(args.dst)
     try:
@@ -152,18 +152,13 @@ def export_main(argv: list[str]) -> int:
             check_remote_code(src, args.trust_remote_code, model=False)
         # verified first (model/formats/integrity.py): its COMPLETE manifest when it has one, shard set, dtypes, finite values
         model = load_model(src, dtype=dtype, allow_nonfinite=args.allow_nonfinite)
-        tmp = dst.parent / f".{dst.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
-                             trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite)
-    except (OSError, ValueError, CheckpointError) as e:
         # a refused write (NaN in an MXFP4 tensor) leaves no half-written temporary directory behind
-        shutil.rmtree(dst.parent / f".{dst.name}.tmp", ignore_errors=True)
+        with atomic_dir(dst) as tmp:
+            save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
+                       trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite)
+    except (OSError, ValueError, CheckpointError) as e:
         print(f"k3rl export: {e}", file=sys.stderr)
         return 2
-    if dst.exists():
-        dst.rmdir()
-    os.replace(tmp, dst)
     layout = args.layout or layout_for(model.config)
     lossy = ", routed experts in MXFP4 (lossy)" if args.quantize else ""
     print(f"wrote {dst}: layout {layout}, {str(dtype).removeprefix('torch.')}{lossy}"

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from k3rl.util.atomic import write_text_atomic
+
 if TYPE_CHECKING:
     from k3rl.rl.eval.cells import GridTask
 
@@ -112,9 +114,7 @@ class RowWriter:
             if drop:
                 keep = "".join(line + "\n" for line in keep.split("\n")[:-1] if _key(line) not in drop)
             if keep != text:
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(keep, errors="surrogateescape")
-                os.replace(tmp, path)
+                write_text_atomic(path, keep, errors="surrogateescape")
         self._file = open(path, "a")
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from k3rl.envs import tools as T
+from k3rl.envs.tool_exec import execute
 
 Message = dict[str, Any]
 Policy = Callable[[list[Message]], str]
@@ -252,7 +253,7 @@ class Episode:
             self._finish("max_tool_calls")
             return self._observe(call, obs)
         started = time.perf_counter()
-        obs = T.execute(specs, self.env, call, b.tool_timeout_s)
+        obs = execute(specs, self.env, call, b.tool_timeout_s)
         self.tool_seconds += time.perf_counter() - started
         if isinstance(call, T.ToolCall):
             self.calls_by_name[call.name] = self.calls_by_name.get(call.name, 0) + 1

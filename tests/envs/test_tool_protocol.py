@@ -10,7 +10,8 @@ from typing import Literal, Optional
 import pytest
 
 from k3rl.envs import tools as T
-from k3rl.envs.tools import ParseError, ToolCall, execute, format_call, parse, tool, tool_spec
+from k3rl.envs.tool_exec import execute
+from k3rl.envs.tools import ParseError, ToolCall, format_call, parse, tool, tool_spec
 
 
 def lookup(query: str, k: int = 5, mode: Literal["fast", "exact"] = "fast", tags: list[str] | None = None,

@@ -80,7 +80,7 @@ def _rank_stats(worker) -> dict:
 def measure(model_dir: Path, trajectories, expert_parallel: int, fsdp: bool, steps: int) -> dict:
     import ray
 
-    from k3rl.rl.train.learner import LearnerConfig, LearnerGroup
+    from k3rl.rl.train.group import LearnerConfig, LearnerGroup
 
     cfg = LearnerConfig(model_path=str(model_dir), algo="grpo", lr=1e-5, micro_batch_tokens=2048,
                         share_prefix=False, expert_parallel=expert_parallel, fsdp=fsdp)

@@ -1,25 +1,25 @@
-"""`Policy`: one loaded policy — k3rl's K3 or any Hugging Face causal LM — behind the few operations the
-toolkit needs, so the learner (rl/train/learner.py), SFT (through the learner: rl/train/supervised.py), the native engine
-(rollout/torch_engine.py) and the self-check ask one object instead of each probing the model.
+"""`Policy`: one loaded causal LM behind the few operations the toolkit needs, one class per model family, so the
+learner (rl/train/learner.py), SFT and pretraining (through the learner), the native engine (rollout/torch_engine.py)
+and the self-check ask one object instead of each probing the model.
 
-- `load_policy(path, dtype, device)`: an HF directory (config.json required); a K3 directory (released
-  layouts or k3rl's old one, by config.json's model_type) is read by model/formats/layouts.py, any other causal LM
-  by transformers' Auto classes (a directory's own code only with `trust_remote_code`, model/formats/trust.py);
-  dropout is switched off.
-- `is_k3`: answered once, by type.
-- `final_hidden(input_ids, attention_mask, routed_expert_ids, rows, position_ids)`: the hidden states the LM
-  head reads. K3 returns its pre-norm state (`return_hidden_states=True`) and the final norm is applied
-  here — to the selected `rows` only when they are given, so the norm never runs on prompt rows; other
-  models are called with `output_hidden_states=True`, whose last entry is already normed. Either way the
-  model computes logits for one position only (`logits_to_keep=1`, where supported). `position_ids` packs
-  documents into rows, transformers-style (positions restart at 0 per document), for both families.
-- `head()` / `selected_logprobs(hidden, targets, chunk_size, entropy)`: the LM head weight and logit
-  scale, and log π(target) through the chunked path of model/logprobs.py (no [N, V] logits).
-- `prefill` / `decode` / `select`: batched generation with the model's own cache (K3: `K3Cache`, with the
-  routed expert ids of every step for routing replay; HF: its KV cache with explicit positions, so left
-  padding is exact); a long prompt is prefilled in segments (bounded activations, exact up to rounding).
+- `load_policy(path, dtype, device)`: an HF directory (config.json required); a K3 directory (released layouts or
+  k3rl's old one, by config.json's model_type) is read by model/formats/load.py into a `K3Policy`, any other
+  causal LM by transformers' Auto classes into an `HFPolicy` (a directory's own code only with `trust_remote_code`,
+  model/formats/trust.py); dropout is switched off. `Policy(model)` picks the family by the model's type.
+- `final_hidden` / `branch_hidden`: the hidden states the LM head reads, after the final norm (K3 applies it here,
+  to the selected `rows` only, so it never runs on prompt rows; HF models return it normed); the model computes
+  logits for one position only (`logits_to_keep=1`, where supported). `position_ids` packs documents into rows,
+  transformers-style (positions restart at 0 per document), for both families.
+- `head()` / `selected_logprobs(hidden, targets, chunk_size, entropy)`: the LM head weight and logit scale, and
+  log π(target) through the chunked path of model/logprobs.py (no [N, V] logits).
+- `prefill` / `decode` / `select`: batched generation with the model's own cache (K3: `K3Cache`, with the routed
+  expert ids of every step for routing replay; HF: its KV cache with explicit positions, so left padding is exact);
+  a long prompt is prefilled in segments (bounded activations, exact up to rounding).
 - `split` / `stack` / `extend` (K3 only, `resumable`): keep one sequence's decode state, merge kept states of
   different lengths into one batch, feed new tokens on top — the native engine's state reuse across turns.
+- `save` / `read_weights`: the family's checkpoint format (K3: the released layout its config chooses; HF:
+  `save_pretrained`); `set_rope_theta`: the RoPE base of the layers that have one.
+- Capability flags the learner asks instead of the type: `segments`, `routing_replay`, `shardable`, `resumable`.
 
 A third model family costs one subclass that overrides these.
 """
@@ -27,8 +27,9 @@ A third model family costs one subclass that overrides these.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -38,7 +39,7 @@ from k3rl.model.logprobs import selected_logprobs
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 dropout: bool = False, trust_remote_code: bool = False, allow_nonfinite: bool = False) -> Policy:
-    """The policy of an HF directory (K3 in any layout model/formats/layouts.py reads, or any causal LM) in `dtype` on
+    """The policy of an HF directory (K3 in any layout model/formats/load.py reads, or any causal LM) in `dtype` on
     `device`; its dropout is switched off (RL compares the policy with itself) unless `dropout`. A directory whose
     config.json asks for its own model code (`auto_map`) is loaded only with `trust_remote_code` (model/formats/trust.py);
     a K3 directory never runs its code (k3rl reads it natively). Either kind is verified against its `COMPLETE`
@@ -52,7 +53,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
     path = Path(path)
     if is_k3_dir(path):  # K3 has no dropout
-        return Policy(load_model(path, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite))
+        return K3Policy(load_model(path, dtype=dtype, device=device, allow_nonfinite=allow_nonfinite))
     integrity.verify_model_dir(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
@@ -70,15 +71,29 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
 
 class Policy:
-    """A causal LM and how to ask it for hidden states, log-probs and cached decoding; see module docstring."""
+    """A causal LM and how to ask it for hidden states, log-probs, cached decoding and its checkpoints; see the module
+    docstring. `Policy(model)` is the family class of `model` (`K3Policy` or `HFPolicy`)."""
+
+    is_k3: ClassVar[bool] = False
+    segments: ClassVar[bool] = False
+    """Trains a unit longer than a segment segment by segment (rl/train/segments.py), packed documents one per row."""
+    routing_replay: ClassVar[bool] = False
+    """Takes the routed expert ids recorded at sampling (`final_hidden(routed_expert_ids=…)`)."""
+    shardable: ClassVar[bool] = False
+    """Can be sharded by expert parallelism and FSDP2 (rl/train/parallel.py `apply_parallelism`)."""
+    resumable: ClassVar[bool] = False
+    """Decode states can be split per sequence, stacked at different lengths and extended (`split`, `stack`,
+    `extend`); otherwise callers prefill the whole context again."""
+
+    def __new__(cls, model: nn.Module):
+        if cls is Policy:
+            cls = K3Policy if _is_k3(model) else HFPolicy
+        return super().__new__(cls)
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.is_k3 = _is_k3(model)
         params = inspect.signature(type(model).forward).parameters
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-    # ---- scoring
 
     def check_head(self) -> None:
         """The chunked log-prob path models `scale · h Wᵀ`: no LM-head bias, no logit soft-capping."""
@@ -101,6 +116,16 @@ class Policy:
         scale = getattr(self.model.config.get_text_config(), "logit_scale", None) or 1.0
         return self.model.get_output_embeddings().weight, float(scale)
 
+    def selected_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024,
+                          entropy: bool = False):
+        """log π(targets) [N] for hidden rows [N, d] (and the entropy [N] with `entropy`)."""
+        weight, scale = self.head()
+        return selected_logprobs(hidden, weight, targets, chunk_size, scale, return_entropy=entropy)
+
+    def can_share_prefix(self, gradient_checkpointing: bool) -> bool:
+        """Whether a group's shared prompt can be computed once and branched from in training (`branch_hidden`)."""
+        return True
+
     def final_hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                      routed_expert_ids: Optional[torch.Tensor] = None,
                      rows: Optional[torch.Tensor] = None,
@@ -115,17 +140,7 @@ class Policy:
         starts its own. K3 takes them as `K3ForCausalLM.forward(position_ids=…)`; other models get them with
         attention_mask=None, from which transformers derives the same block-diagonal causal mask
         (`find_packed_sequence_indices`; their attention implementation must honour it)."""
-        if self.is_k3:
-            mask = None if attention_mask is None else attention_mask.bool()
-            out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask,
-                             return_hidden_states=True, position_ids=position_ids, **self._keep)
-            h = out.hidden_states if rows is None else out.hidden_states[rows]
-            return self.model.model.norm(h)
-        packed = {} if position_ids is None else {"position_ids": position_ids}
-        out = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
-                         output_hidden_states=True, use_cache=False, **packed, **self._keep)
-        h = out.hidden_states[-1]
-        return h if rows is None else h[rows]
+        raise NotImplementedError
 
     def branch_hidden(self, prefix: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
                       prefix_routed: Optional[torch.Tensor] = None,
@@ -135,30 +150,7 @@ class Policy:
         computed once and its cache repeated to the rows, one autograd graph, so gradients reaching the prefix
         are summed over the rows (group prefix sharing, rl/train/segments.py). K3: its hybrid cache (routing replayed
         with `prefix_routed` / `routed_expert_ids`); other models: their KV cache, positions continuing after P."""
-        B, T = input_ids.shape
-        P = prefix.shape[1]
-        if self.is_k3:
-            cache = self.model.new_cache(1, capacity=P + T)
-            self.model(prefix, cache=cache, routed_expert_ids=prefix_routed, logits_to_keep=1)
-            cache = cache.select(torch.zeros(B, dtype=torch.long, device=input_ids.device))
-            out = self.model(input_ids, cache=cache, routed_expert_ids=routed_expert_ids, routing_mask=valid.bool(),
-                             return_hidden_states=True, logits_to_keep=1)
-            return self.model.model.norm(out.hidden_states[rows])
-        cache = self.model(input_ids=prefix, use_cache=True, **self._keep).past_key_values
-        cache.batch_repeat_interleave(B)
-        mask = torch.cat([valid.new_ones(B, P), valid], dim=1).long()
-        positions = (P + torch.arange(T, device=input_ids.device)).expand(B, T)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, output_hidden_states=True, **self._keep)
-        return out.hidden_states[-1][rows]
-
-    def selected_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024,
-                          entropy: bool = False):
-        """log π(targets) [N] for hidden rows [N, d] (and the entropy [N] with `entropy`)."""
-        weight, scale = self.head()
-        return selected_logprobs(hidden, weight, targets, chunk_size, scale, return_entropy=entropy)
-
-    # ---- generation
+        raise NotImplementedError
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int,
                 segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
@@ -167,55 +159,84 @@ class Policy:
         With `segment_tokens`, the prompt goes in segments of that many tokens through the model's own cache
         (K3: KDA and conv states carried, MLA's latents appended and attended by query block; HF: its KV cache),
         so the activations of one step stay bounded by the segment, not the prompt."""
-        B, T = ids.shape
-        seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
-        if self.is_k3:
-            cache = self.model.new_cache(B, capacity=capacity)
-            cache.pad_len = (mask == 0).sum(1).to(cache.pad_len)  # padding sits in the first columns
-            for lo in range(0, T, seg):
-                out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
-            return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = None
-        for lo in range(0, T, seg):
-            hi = min(T, lo + seg)
-            out = self.model(input_ids=ids[:, lo:hi], attention_mask=mask[:, :hi], position_ids=pos[:, lo:hi],
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-        return out.logits[:, -1], {"cache": cache, "mask": mask, "pos": pos[:, -1]}
+        raise NotImplementedError
 
     def decode(self, new: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
         """One new token per row [B] → logits [B, V] and the updated state (K3: `state["route"]` holds the
         routing of this step, [B, 1, L, k])."""
-        if self.is_k3:
-            out = self.model(new[:, None], cache=state["cache"])
-            state["route"] = self.model.last_routed_expert_ids()
-            return out.logits[:, -1], state
-        mask = torch.cat([state["mask"], torch.ones_like(new)[:, None]], dim=1)
-        pos = state["pos"] + 1
-        out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         past_key_values=state["cache"], use_cache=True)
-        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos}
+        raise NotImplementedError
 
     def select(self, state: dict, index: torch.Tensor) -> dict:
         """The decode state of rows `index` (reorder, drop or repeat sequences)."""
-        if self.is_k3:
-            route = state.get("route")
-            return {"cache": state["cache"].select(index), "route": None if route is None else route[index]}
-        cache = state["cache"]
-        for layer in cache.layers:
-            layer.batch_select_indices(index)
-        return {"cache": cache, "mask": state["mask"][index], "pos": state["pos"][index]}
+        raise NotImplementedError
+
+    def extend(self, ids: torch.Tensor, state: dict, segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+        """New tokens [B, T] (no padding) on top of a decode state → last-position logits [B, V] and the state,
+        in segments of `segment_tokens` as `prefill`."""
+        raise NotImplementedError(f"{type(self.model).__name__}: kept decode states are K3-only")
+
+    def save(self, directory: Path, state: Optional[Mapping[str, torch.Tensor]] = None, tokenizer_from: Any = None,
+             trust_remote_code: bool = False) -> None:
+        """Write the model (or the full state dict `state` of it in internal names, e.g. gathered from sharded ranks)
+        to `directory` in the family's format, with the tokenizer of directory `tokenizer_from` when given."""
+        raise NotImplementedError
+
+    def read_weights(self, directory: Path) -> dict[str, torch.Tensor]:
+        """The internal state dict (experts stacked) of a directory `save` wrote, not checked against the model."""
+        raise NotImplementedError
+
+    def set_rope_theta(self, theta: float) -> None:
+        """Set the RoPE base of the model's attention from now on (saved with its config); refused for a model
+        without such a base."""
+        config = self.model.config
+        raise ValueError(f"rope_theta: the model ({getattr(config, 'model_type', '?')}, mla_use_nope="
+                         f"{getattr(config, 'mla_use_nope', None)}) has no RoPE layers to take a base")
 
 
-    # ---- kept states (K3): one sequence's state outlives its batch and is resumed later
+class K3Policy(Policy):
+    """k3rl's K3ForCausalLM: pre-norm hidden states, the hybrid `K3Cache`, routing replay, segments, sharding, kept
+    decode states, the released checkpoint layouts (model/formats/layouts.py) and MLA's RoPE base."""
 
-    @property
-    def resumable(self) -> bool:
-        """Whether decode states can be split per sequence, stacked at different lengths and extended: K3
-        (`K3Cache.unstack` / `stack`). HF KV caches are not (their layouts vary by model and version): callers
-        prefill the whole context again."""
-        return self.is_k3
+    is_k3 = True
+    segments = True
+    routing_replay = True
+    shardable = True
+    resumable = True
+
+    def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None):
+        mask = None if attention_mask is None else attention_mask.bool()
+        out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask,
+                         return_hidden_states=True, position_ids=position_ids, **self._keep)
+        h = out.hidden_states if rows is None else out.hidden_states[rows]
+        return self.model.model.norm(h)
+
+    def branch_hidden(self, prefix, input_ids, valid, rows, prefix_routed=None, routed_expert_ids=None):
+        B, T = input_ids.shape
+        P = prefix.shape[1]
+        cache = self.model.new_cache(1, capacity=P + T)
+        self.model(prefix, cache=cache, routed_expert_ids=prefix_routed, logits_to_keep=1)
+        cache = cache.select(torch.zeros(B, dtype=torch.long, device=input_ids.device))
+        out = self.model(input_ids, cache=cache, routed_expert_ids=routed_expert_ids, routing_mask=valid.bool(),
+                         return_hidden_states=True, logits_to_keep=1)
+        return self.model.model.norm(out.hidden_states[rows])
+
+    def prefill(self, ids, mask, capacity, segment_tokens=None):
+        B, T = ids.shape
+        seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
+        cache = self.model.new_cache(B, capacity=capacity)
+        cache.pad_len = (mask == 0).sum(1).to(cache.pad_len)  # padding sits in the first columns
+        for lo in range(0, T, seg):
+            out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
+        return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
+
+    def decode(self, new, state):
+        out = self.model(new[:, None], cache=state["cache"])
+        state["route"] = self.model.last_routed_expert_ids()
+        return out.logits[:, -1], state
+
+    def select(self, state, index):
+        route = state.get("route")
+        return {"cache": state["cache"].select(index), "route": None if route is None else route[index]}
 
     def split(self, state: dict, rows: list[int]) -> list[dict]:
         """The decode state of each of `rows` alone (one sequence, its padding dropped)."""
@@ -231,17 +252,107 @@ class Policy:
         cache = type(states[0]["cache"]).stack([s["cache"] for s in states], capacity)
         return {"cache": cache, "route": route}
 
-    def extend(self, ids: torch.Tensor, state: dict, segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
-        """New tokens [B, T] (no padding) on top of a decode state → last-position logits [B, V] and the state,
-        in segments of `segment_tokens` as `prefill`."""
-        if not self.resumable:
-            raise NotImplementedError(f"{type(self.model).__name__}: kept decode states are K3-only")
+    def extend(self, ids, state, segment_tokens=None):
         T = ids.shape[1]
         seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         cache = state["cache"]
         for lo in range(0, T, seg):
             out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
         return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
+
+    def save(self, directory, state=None, tokenizer_from=None, trust_remote_code=False):
+        """The released layout the model config chooses (model/formats/save.py `save_state_dict`)."""
+        from k3rl.model.formats.save import save_state_dict
+
+        save_state_dict(self.model.config, self.model.state_dict() if state is None else state, directory,
+                                  tokenizer_from=tokenizer_from, trust_remote_code=trust_remote_code)
+
+    def read_weights(self, directory):
+        """Any K3 layout, internal names (model/formats/load.py `read_state_dict`)."""
+        from k3rl.model.formats.load import read_state_dict
+
+        return read_state_dict(directory)
+
+    def set_rope_theta(self, theta: float) -> None:
+        """Set the RoPE base of the MLA layers (which read `config.rope_theta` at every call, model/mla.py; KDA uses no
+        positions). Refused for a model in NoPE mode (`mla_use_nope`)."""
+        if getattr(self.model.config, "mla_use_nope", True):
+            super().set_rope_theta(theta)
+        if not theta > 1.0:
+            raise ValueError(f"rope_theta: must be > 1, got {theta}")
+        self.model.config.rope_theta = float(theta)
+
+
+class HFPolicy(Policy):
+    """Any other Hugging Face causal LM: normed last hidden states, its own KV cache, `save_pretrained`."""
+
+    def can_share_prefix(self, gradient_checkpointing: bool) -> bool:
+        # under gradient checkpointing an HF model drops its KV cache in training: no branch to share from
+        return not gradient_checkpointing
+
+    def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None):
+        packed = {} if position_ids is None else {"position_ids": position_ids}
+        out = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
+                         output_hidden_states=True, use_cache=False, **packed, **self._keep)
+        h = out.hidden_states[-1]
+        return h if rows is None else h[rows]
+
+    def branch_hidden(self, prefix, input_ids, valid, rows, prefix_routed=None, routed_expert_ids=None):
+        B, T = input_ids.shape
+        P = prefix.shape[1]
+        cache = self.model(input_ids=prefix, use_cache=True, **self._keep).past_key_values
+        cache.batch_repeat_interleave(B)
+        mask = torch.cat([valid.new_ones(B, P), valid], dim=1).long()
+        positions = (P + torch.arange(T, device=input_ids.device)).expand(B, T)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, output_hidden_states=True, **self._keep)
+        return out.hidden_states[-1][rows]
+
+    def prefill(self, ids, mask, capacity, segment_tokens=None):
+        B, T = ids.shape
+        seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = None
+        for lo in range(0, T, seg):
+            hi = min(T, lo + seg)
+            out = self.model(input_ids=ids[:, lo:hi], attention_mask=mask[:, :hi], position_ids=pos[:, lo:hi],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        return out.logits[:, -1], {"cache": cache, "mask": mask, "pos": pos[:, -1]}
+
+    def decode(self, new, state):
+        mask = torch.cat([state["mask"], torch.ones_like(new)[:, None]], dim=1)
+        pos = state["pos"] + 1
+        out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=pos[:, None],
+                         past_key_values=state["cache"], use_cache=True)
+        return out.logits[:, -1], {"cache": out.past_key_values, "mask": mask, "pos": pos}
+
+    def select(self, state, index):
+        cache = state["cache"]
+        for layer in cache.layers:
+            layer.batch_select_indices(index)
+        return {"cache": cache, "mask": state["mask"][index], "pos": state["pos"][index]}
+
+    def save(self, directory, state=None, tokenizer_from=None, trust_remote_code=False):
+        """`save_pretrained` (safetensors), and the tokenizer of `tokenizer_from` (its code only when trusted)."""
+        if state is not None:
+            raise NotImplementedError(f"{type(self.model).__name__}: saving a gathered state dict is K3-only")
+        self.model.save_pretrained(directory, safe_serialization=True)
+        if tokenizer_from is not None:
+            from k3rl.model.tokenizer import load_tokenizer
+
+            load_tokenizer(tokenizer_from, trust_remote_code=trust_remote_code).save_pretrained(directory)
+
+    def read_weights(self, directory):
+        """Every `*.safetensors` file of the directory, routed experts stacked (model/formats/names.py)."""
+        from safetensors.torch import load_file
+
+        from k3rl.model.formats.names import stack_experts
+
+        weights = {}
+        for file in sorted(Path(directory).glob("*.safetensors")):
+            weights.update(load_file(file))
+        return stack_experts(weights)
 
 
 def _is_k3(model: Any) -> bool:

@@ -146,6 +146,12 @@ class Algorithm(abc.ABC):
                              f"valid: {', '.join(valid)}")
         return cls(cls.Config(**kwargs))
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether `loss` needs `LossInputs.ref_logprobs`, i.e. the learner must load a reference policy: a KL
+        penalty (`kl_coef > 0` of an `AlgoConfig`); objectives without one (rl/algos/nll.py) never do."""
+        return isinstance(self.cfg, AlgoConfig) and self.cfg.kl_coef > 0
+
     @abc.abstractmethod
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """rewards [G] of one group (same task) -> sequence advantages [G]; finite for any G ≥ 1."""

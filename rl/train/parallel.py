@@ -17,7 +17,8 @@ that do not fit one device.
 The backend is gloo on CPU and NCCL with CUDA (`default_backend`). `init_process_group` is
 called by every rank with the address and a free port picked on rank 0's node (`free_port`).
 
-Expert parallelism and FSDP2 (`make_mesh`, `apply_parallelism`), applied from outside the model:
+Expert parallelism and FSDP2 (`learner_mesh`: `make_mesh`, then `apply_parallelism`, before the optimizer is built),
+applied from outside the model:
 
 * the ranks form a DeviceMesh ("dp", "ep") of DP × EP, the EP ranks of one data-parallel replica
   adjacent (rank = dp·EP + ep), as torchtitan lays them out;
@@ -38,7 +39,11 @@ Expert parallelism and FSDP2 (`make_mesh`, `apply_parallelism`), applied from ou
 * without FSDP, EP gradients are summed by `sync_grads` (replicated parameters over all ranks, expert
   shards over "dp");
 * every rank of the mesh must run the same number of forward and backward passes (all-gathers and
-  all-to-alls are collectives): a rank without data runs an empty-weight micro-batch.
+  all-to-alls are collectives): the ranks agree on the largest count first (`idle_count`) and a rank with fewer runs
+  idle passes that change nothing (rl/train/learner.py); hence no reference model, segments or prefix sharing there,
+  and AdamW only (Muon orthogonalises whole matrices);
+* the gradient norm is `grad_norm` over the shards (`reduce_grads`), clipping multiplies by a python float
+  (`clip_grads`).
 
 Checkpoints of a parallel model: `save_sharded` / `load_sharded` write and read model and optimizer state
 with torch.distributed.checkpoint (every rank its shards; the global tensors keep their internal names and
@@ -51,7 +56,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -170,8 +175,6 @@ def split_balanced(costs: Sequence[float], n: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-# ---- expert parallelism and FSDP2
-
 MESH_DIMS = ("dp", "ep")
 
 
@@ -191,6 +194,31 @@ def make_mesh(expert_parallel: int = 1, device_type: str = "cpu", ranks: Optiona
     flat_mesh(mesh)
     return mesh
 
+
+
+def learner_mesh(cfg: Any, policy: Any, group: Optional[dist.ProcessGroup] = None, device_type: str = "cpu"):
+    """The ("dp", "ep") mesh of an expert-parallel / FSDP2 learner (`cfg`: rl/train/learner.py `LearnerConfig` with
+    `sharded`) with `policy`'s model sharded on it (`apply_parallelism`), or None: not sharded, or one rank. Refuses
+    a model family that cannot be sharded (model/policy.py `shardable`) and a number of ranks that `expert_parallel`
+    does not divide. Every rank calls it, before the optimizer is built."""
+    if not cfg.sharded:
+        return None
+    world_size = get_world_size(group)
+    if not policy.shardable:
+        raise ValueError(f"learner.expert_parallel / learner.fsdp: K3 models only; {cfg.model_path} is a "
+                         f"{getattr(policy.model.config, 'model_type', '?')} model")
+    if world_size == 1 and cfg.expert_parallel > 1:
+        raise ValueError(f"learner.expert_parallel = {cfg.expert_parallel} needs that many learner ranks or a "
+                         f"multiple (learner.num_ranks); this learner has one")
+    cfg.check_ranks(world_size)
+    if world_size == 1:
+        return None
+    if group is not None and world_size != get_world_size():
+        raise ValueError("learner.expert_parallel / learner.fsdp: the learner must span the whole default "
+                         "process group")
+    mesh = make_mesh(cfg.expert_parallel, device_type)
+    apply_parallelism(policy.model, mesh, fsdp=bool(cfg.fsdp))
+    return mesh
 
 def flat_mesh(mesh):
     """The 1-D mesh of all ranks of a ("dp", "ep") `mesh` (created once, then cached by DeviceMesh)."""
@@ -296,6 +324,42 @@ def grad_norm(params: Sequence[torch.Tensor], mesh) -> torch.Tensor:
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh_group(mesh))
     return total.sqrt()
 
+
+
+def reduce_grads(model: torch.nn.Module, params: Sequence[torch.Tensor], mesh=None,
+                 group: Optional[dist.ProcessGroup] = None, device: Any = "cpu") -> torch.Tensor:
+    """Sum the gradients of `params` over the ranks and return their global L2 norm: under a mesh `sync_grads` (a no-op
+    under FSDP, whose reduce-scatters summed them) and `grad_norm`, else `all_reduce_grads` and torch's norm."""
+    if mesh is not None:
+        sync_grads(model, mesh)
+        return grad_norm(params, mesh)
+    all_reduce_grads(params, group)
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+
+
+def clip_grads(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor, mesh=None) -> None:
+    """Scale the gradients to at most `max_norm`, given their global `norm` (torch's rule: × min(1, max / (norm +
+    1e-6)))."""
+    if mesh is None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return
+    # A python float: DTensor gradients (shards of different meshes) do not take a plain tensor factor.
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def idle_count(mine: int, mesh=None, device: Any = "cpu") -> int:
+    """Under a mesh, how many idle passes a rank adds to its own `mine` passes (forward, and backward in training) so
+    that every rank runs as many as the busiest: each forward and backward of a sharded model holds collectives (FSDP2
+    all-gathers and reduce-scatters, the experts' all-to-alls) that every rank must join in the same order. A
+    collective itself, before any pass; 0 without a mesh."""
+    if mesh is None:
+        return 0
+    most = all_reduce(torch.tensor([mine], dtype=torch.int64, device=device), "max")
+    return int(most.item()) - mine
 
 def save_sharded(directory, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
                  group: Optional[dist.ProcessGroup] = None) -> None:

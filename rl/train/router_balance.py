@@ -20,6 +20,8 @@ fp32 per MoE layer (only under `quantile`), until `balance_routers`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -45,6 +47,20 @@ def clear_stats(model: nn.Module) -> None:
     """Forget the balancing statistics collected so far (e.g. of a skipped step)."""
     for router in routers(model):
         router.clear_stats()
+
+
+@contextmanager
+def stats_paused(routers: list[Router]) -> Iterator[None]:
+    """Leave the routing of the forwards inside out of the balancing statistics (the learner's scoring and idle passes,
+    and a segmented forward whose backward recomputes and counts it)."""
+    before = [r.collect_stats for r in routers]
+    for r in routers:
+        r.collect_stats = False
+    try:
+        yield
+    finally:
+        for r, c in zip(routers, before):
+            r.collect_stats = c
 
 
 def quantile_bias_delta(margins: list[torch.Tensor], target: torch.Tensor,

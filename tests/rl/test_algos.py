@@ -205,6 +205,14 @@ def test_kl_to_reference():
         get_algo("grpo", kl_coef=0.1).loss(make(**CASE))
 
 
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_an_objective_needs_a_reference_exactly_when_it_has_a_kl_penalty(name):
+    """`needs_reference` is what the learner asks before loading a reference policy (it reads no settings itself)."""
+    assert not get_algo(name).needs_reference
+    if name != "nll":
+        assert get_algo(name, kl_coef=0.05).needs_reference
+
+
 # ---- advantages ----
 
 def test_advantages_hand_cases():

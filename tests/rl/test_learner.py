@@ -19,7 +19,8 @@ import torch
 
 from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.train.batching import pack_micro_batches
-from k3rl.rl.train.learner import Learner, LearnerConfig, LearnerGroup
+from k3rl.rl.train.group import LearnerGroup
+from k3rl.rl.train.learner import Learner, LearnerConfig
 from k3rl.rl.train.parallel import split_balanced
 from k3rl.rollout.engine import SamplingParams
 from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
@@ -124,6 +125,15 @@ def test_kl_to_reference_starts_at_zero_and_grows(tiny_qwen3_dir, qwen_batch):
     first = learner.train_step(qwen_batch)
     second = learner.train_step(qwen_batch)
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-9) and second["kl_ref"] > 1e-4
+
+
+@pytest.mark.parametrize("key,bad", [("optimizer", "sgd"), ("dtype", "int8"), ("lr_scheduler", "step")])
+def test_the_loader_refuses_a_choice_the_learner_does_not_recheck(key, bad):
+    """`LearnerConfig` leaves the choices of the `learner:` section to the config loader, which names the key."""
+    from k3rl.rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"learner\.{key}.*'{bad}'"):
+        load_config(None, [f"learner.{key}={bad}"])
 
 
 def test_bfloat16_policy_trains(tiny_qwen3_dir, qwen_batch):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3rl.rl.train import router_balance
 from k3rl.rl.train.batching import group_prefixes, shared_prefix, to_train_sequence
 from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
 from k3rl.rollout.trajectory import TrajectoryBuilder
@@ -72,7 +73,7 @@ def step_grads(learner: Learner, trajectories, segment_tokens, share_prefix):
     seqs = [to_train_sequence(t, a) for t, a in zip(trajectories, adv)]
     n_tokens, n_seqs = float(sum(int(s.mask.sum()) for s in seqs)), float(len(seqs))
     learner.model.zero_grad(set_to_none=True)
-    learner._clear_router_stats()
+    router_balance.clear_stats(learner.model)
     loss = 0.0
     units = learner._units(seqs, share_prefix)
     for unit in units:

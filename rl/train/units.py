@@ -1,0 +1,57 @@
+"""How the learner runs a batch of training sequences (rl/train/batching.py): as pieces, packed into micro-batches,
+as units (rl/train/segments.py `Unit`).
+
+A packed sequence (several documents) longer than a segment is cut into its documents (`pieces`), since segments run
+one document per row; micro-batches hold whole pieces within `micro_batch_tokens`, longest first, packed pieces apart
+from the rest (`pack`); with prefix sharing, the samples of a group that share their prompt form one unit whose
+prompt is computed once, the others are packed whole (`make_units`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from k3rl.rl.train.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, split_documents
+from k3rl.rl.train.segments import Unit
+
+
+def pieces(seq: TrainSequence, segment_tokens: Optional[int], segmented: bool) -> list[TrainSequence]:
+    """A sequence as the learner runs it: a packed sequence longer than a segment is cut into its documents
+    (rl/train/batching.py `split_documents`) when the policy trains through segments (`segmented`)."""
+    if seq.positions is None or not segmented or not segment_tokens or len(seq.inputs) <= segment_tokens:
+        return [seq]
+    return split_documents(seq, segment_tokens)
+
+
+def pack(seqs: list[TrainSequence], token_budget: int, max_seqs: Optional[int]) -> list[list[int]]:
+    """Micro-batches (indices into `seqs`) within `token_budget`, longest first; packed sequences (several documents,
+    never longer than a segment after `pieces`) apart from the rest, since a micro-batch longer than a segment runs
+    segment by segment, one document per row."""
+    groups = [[i for i, s in enumerate(seqs) if (s.positions is not None) == packed] for packed in (False, True)]
+    return [[group[j] for j in idx] for group in groups if group
+            for idx in pack_micro_batches([len(seqs[i].inputs) for i in group], token_budget, max_seqs)]
+
+
+def make_units(seqs: list[TrainSequence], cfg: Any, policy: Any, device: torch.device,
+               routing_shape: Optional[tuple[int, int]], share_prefix: bool) -> list[Unit]:
+    """Micro-batches as units: the groups' prefix-sharing units (with `share_prefix`, when the policy can branch from
+    a shared prompt), then the rest packed whole, longest first, within `cfg.micro_batch_tokens`. `routing_shape`
+    (L, k) replays recorded routings; None: none."""
+    seqs = [piece for s in seqs for piece in pieces(s, cfg.segment_tokens, policy.segments)]
+    units: list[Unit] = []
+    rest = list(range(len(seqs)))
+    if share_prefix and policy.can_share_prefix(cfg.gradient_checkpointing):
+        shared, rest = group_prefixes(seqs, cfg.micro_batch_tokens, cfg.micro_batch_seqs)
+        for P, members in shared:
+            first = seqs[members[0]]
+            routed = None
+            if routing_shape is not None and first.routed is not None:
+                routed = torch.from_numpy(first.routed[None, :P].astype(np.int64)).to(device)
+            units.append(Unit(collate([seqs[i].tail(P) for i in members], device, routing_shape),
+                              torch.from_numpy(first.inputs[None, :P].astype(np.int64)).to(device), routed))
+    for idx in pack([seqs[i] for i in rest], cfg.micro_batch_tokens, cfg.micro_batch_seqs):
+        units.append(Unit(collate([seqs[rest[j]] for j in idx], device, routing_shape)))
+    return units

@@ -4,7 +4,7 @@ For every stage of `pretrain.stages` (rl/config/pretrain.py `StageConfig`): the 
 steps, the steps and rows, the training FLOPs and the activations of one micro-batch (rl/pretrain/cost.py: rows
 per micro-batch = `learner.micro_batch_tokens // seq_len`, at least 1, at most the rank's rows of a step and
 `learner.micro_batch_seqs`), the weights, gradients and optimizer states (rl/pretrain/param_memory.py) and the
-time on the cluster of `pretrain.plan`. A stage trained segment by segment (`segment_tokens` below `seq_len`,
+time on the cluster of `pretrain.plan`. A stage trained segment by segment (its `learner.segment_tokens` below `seq_len`,
 rl/train/segments.py) runs one more forward (pass 1, no grad): `recompute_flops`, counted in the printed FLOPs and
 in the time. Time = FLOPs / (num_gpus × peak × MFU). Nothing is allocated: the rest is arithmetic.
 

@@ -4,7 +4,7 @@ Importing this package is cheap (no numpy, no retrieval libraries); the search a
 long-context environments load their back-ends when first built. See ``envs/README.md``.
 """
 
-from k3rl.envs.base import Budget, Env, Episode, EpisodeResult, Policy, Step, as_token_counter, run_episode
+from k3rl.envs.base import Budget, Env, Episode, EpisodeResult, Step, TextPolicy, as_token_counter, run_episode
 from k3rl.envs.registry import list_envs, make, register
 from k3rl.envs.tools import ParseError, ToolCall, format_call, parse, tool
 
@@ -14,7 +14,7 @@ __all__ = [
     "Episode",
     "EpisodeResult",
     "ParseError",
-    "Policy",
+    "TextPolicy",
     "Step",
     "ToolCall",
     "as_token_counter",

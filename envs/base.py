@@ -30,7 +30,9 @@ from k3rl.envs import tools as T
 from k3rl.envs.tool_exec import execute
 
 Message = dict[str, Any]
-Policy = Callable[[list[Message]], str]
+TextPolicy = Callable[[list[Message]], str]
+"""What plays an episode at the string level (`run_episode`, oracles, teachers): the conversation so far → the
+assistant's next text. Not model/policy.py's `Policy`, which is a loaded model."""
 
 FINISH_ANSWERED = "answered"
 FINISH_NO_CALL = "no_tool_call"
@@ -158,7 +160,7 @@ class Env:
         """``n`` tasks for this environment, deterministic in ``seed`` (optional)."""
         raise NotImplementedError(f"{type(self).__name__} does not generate tasks")
 
-    def oracle(self, task: Any) -> Policy:
+    def oracle(self, task: Any) -> TextPolicy:
         """A policy that solves ``task`` through the tool protocol (optional)."""
         raise NotImplementedError(f"{type(self).__name__} has no oracle")
 
@@ -342,7 +344,7 @@ def _clip_to_tokens(text: str, tokens: int, count: Callable[[str], int]) -> str:
 def run_episode(
     env: Env,
     task: Any,
-    policy: Policy,
+    policy: TextPolicy,
     budget: Budget | None = None,
     count_tokens: Callable[[str], int] | None = None,
 ) -> EpisodeResult:
@@ -356,15 +358,6 @@ def run_episode(
 def with_budget(budget: Budget, **changes: Any) -> Budget:
     """A copy of ``budget`` with some limits changed."""
     return replace(budget, **changes)
-
-
-def render_transcript(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A plain-text view of a conversation (for logs and debugging; not a chat template)."""
-    parts = []
-    for m in messages:
-        content = T.format_observation(m["content"]) if m["role"] == "tool" else m["content"]
-        parts.append(f"[{m['role']}]\n{content}")
-    return "\n\n".join(parts)
 
 
 def last_observation(messages: Sequence[Mapping[str, Any]]) -> str | None:

@@ -41,7 +41,7 @@ from dataclasses import asdict
 from typing import Any
 
 from k3rl.envs import scoring
-from k3rl.envs.base import Env, Policy
+from k3rl.envs.base import Env, TextPolicy
 from k3rl.envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
 from k3rl.envs.registry import register
 from k3rl.envs.search_oracle import SearchOracle
@@ -259,7 +259,7 @@ class SearchEnv(Env):
             return quote_tasks(self.shared_corpus, n, seed, self.method, articles=self.quote_articles)
         return wiki_tasks(self.shared_corpus, n, seed)
 
-    def oracle(self, task: Mapping[str, Any]) -> Policy:
+    def oracle(self, task: Mapping[str, Any]) -> TextPolicy:
         return SearchOracle(task, k=self.oracle_k)
 
 

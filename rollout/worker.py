@@ -1,6 +1,6 @@
 """`RolloutWorker`: a Ray actor that owns one engine and a pool of environments.
 
-The trainer starts several side by side (`start_workers`), sends each a share of the tasks
+The trainer starts several side by side (rl/orchestrator/rollout_pool.py), sends each a share of the tasks
 (`collect`), and pushes new weights to all of them after every learner step (`load_weights`,
 with the policy version). A worker is plain Python: the same class runs in-process in tests
 and as an actor on a cluster. The engine kind comes from the config (`torch` or `vllm`).
@@ -223,12 +223,3 @@ class RolloutWorker:
                 "env_seconds": s.env_seconds, "rounds": s.rounds}
 
 
-def start_workers(spec: WorkerSpec, count: int, num_cpus: float = 1, spread: bool = True) -> list:
-    """`count` RolloutWorker actors; `spread` places them on different nodes where Ray can."""
-    import ray
-
-    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 0}
-    if spread:
-        options["scheduling_strategy"] = "SPREAD"
-    actor = ray.remote(RolloutWorker)
-    return [actor.options(**options).remote(spec) for _ in range(count)]

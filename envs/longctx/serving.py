@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from k3rl.envs import scoring
-from k3rl.envs.base import Env, Policy
+from k3rl.envs.base import Env, TextPolicy
 from k3rl.envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS
 from k3rl.envs.longctx.haystack import generate, pool_words, render_context
 from k3rl.envs.longctx.names import Names
@@ -126,7 +126,7 @@ class LongContextEnv(_FamilyTasks, Env):
         w = self.evidence_weight
         return (1 - w) * scoring.f1(self.final, self.current.answers) + w * scoring.evidence_recall(self.cited, self.current.evidence)
 
-    def oracle(self, task: Mapping[str, Any]) -> Policy:
+    def oracle(self, task: Mapping[str, Any]) -> TextPolicy:
         return ContextOracle(task.get("family", self.family))
 
 
@@ -159,7 +159,7 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
         inst = self.current
         return {"family": inst.family, "hops": inst.hops, "unanswerable": inst.unanswerable, **super().metrics()}
 
-    def oracle(self, task: Mapping[str, Any]) -> Policy:
+    def oracle(self, task: Mapping[str, Any]) -> TextPolicy:
         return FamilySearchOracle(task.get("family", self.family), self.oracle_k)
 
 

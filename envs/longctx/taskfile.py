@@ -41,7 +41,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from k3rl.envs.base import Env, Policy, as_token_counter
+from k3rl.envs.base import Env, TextPolicy, as_token_counter
 from k3rl.envs.jsonl import JsonlError, jsonl_lines, parse_line
 from k3rl.envs.longctx.haystack import LINE, haystack_pool, render_context
 from k3rl.envs.longctx.oracles import PassageContextOracle, PassageSearchOracle
@@ -393,7 +393,7 @@ class FileContextEnv(_FileTasks, LongContextEnv):
         super().__init__(FILE_FAMILY, length=length, source=source, tokenizer=tokenizer, evidence_weight=evidence_weight)
         self.file = _task_file(path)
 
-    def oracle(self, task: Mapping[str, Any]) -> Policy:
+    def oracle(self, task: Mapping[str, Any]) -> TextPolicy:
         inst = self.instance(task)
         texts = dict(inst.passages)
         return PassageContextOracle(inst.answers[0], [texts[pid] for pid in inst.evidence])
@@ -410,7 +410,7 @@ class FileSearchEnv(_FileTasks, LongContextSearchEnv):
                          tool_prompt=tool_prompt, snippet=snippet)
         self.file = _task_file(path)
 
-    def oracle(self, task: Mapping[str, Any]) -> Policy:
+    def oracle(self, task: Mapping[str, Any]) -> TextPolicy:
         inst = self.instance(task)
         texts = dict(inst.passages)
         names = {pid: inst.meta["titles"].get(pid) or " ".join(texts[pid].split()[:12]) for pid in inst.evidence}

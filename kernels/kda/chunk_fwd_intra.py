@@ -101,15 +101,6 @@ def _load_rows(ptr, tok0, rows, rmask, cols, cmask, i_h, H: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _load_row(ptr, tok0, r, NV, cols, cmask, i_h, H: tl.constexpr, D: tl.constexpr):
-    """x[tok0 + r, i_h, cols] as an fp32 vector, 0 where masked (c ≥ D or r ∉ [0, NV))."""
-    # the row test is made a vector before `&`: the interpreter returns int32 for a scalar & vector of bools
-    rr = cols * 0 + r
-    mask = cmask & (rr < NV) & (rr >= 0)
-    return tl.load(ptr + (tok0 + r) * (H * D) + i_h * D + cols, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def chunk_cumsum_gate_kernel(
     g, gk, A_log, dt_bias, cu_seqlens, chunk_indices, T, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,

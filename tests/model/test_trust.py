@@ -174,16 +174,17 @@ def test_the_opt_in_runs_the_code(evil):
 @pytest.mark.ray
 def test_a_ray_rollout_worker_gets_the_setting_from_its_spec(ray_cluster, evil):
     ray = ray_cluster
-    from k3rl.rollout.worker import WorkerSpec, start_workers
+    from k3rl.rollout.worker import RolloutWorker, WorkerSpec
 
     d, markers = evil
     spec = WorkerSpec(model_dir=str(d), env="search", engine="torch")
-    (refused,) = start_workers(spec, 1, num_cpus=1)
+    actor = ray.remote(RolloutWorker).options(num_cpus=1, max_restarts=0)
+    refused = actor.remote(spec)
     with pytest.raises(ray.exceptions.RayActorError, match="(?s)RemoteCodeError.*tokenization_x.py"):
         ray.get(refused.health.remote())
     assert ran(markers) == []
     spec.trust_remote_code = True
-    (allowed,) = start_workers(spec, 1, num_cpus=1)
+    allowed = actor.remote(spec)
     try:
         assert ray.get(allowed.health.remote())["ok"]
     finally:

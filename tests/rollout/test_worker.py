@@ -20,11 +20,10 @@ def tasks(n, offset=0):
 
 def test_two_workers_collect_in_parallel(ray_cluster, tiny_qwen3_dir, tmp_path):
     ray = ray_cluster
-    from k3rl.rollout.worker import start_workers
-
     spec = WorkerSpec(model_dir=str(tiny_qwen3_dir), env="search", engine="torch",
                       sampling=SamplingParams(max_tokens=24, seed=0), max_context_tokens=2048)
-    workers = start_workers(spec, 2, num_cpus=1)
+    actor = ray.remote(RolloutWorker).options(num_cpus=1, max_restarts=0)
+    workers = [actor.remote(spec) for _ in range(2)]
     health = ray.get([w.health.remote() for w in workers])
     assert len({h["pid"] for h in health}) == 2 and all(h["ok"] and h["version"] == 0 for h in health)
     refs = [w.collect.remote(tasks(2, offset=2 * k), 2) for k, w in enumerate(workers)]

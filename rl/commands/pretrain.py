@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from k3rl.rl.config import JobConfig
+from k3rl.rl.config import PretrainJob
 
 
 def main(argv: list[str]) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plan", action="store_true", help="print tokens, steps, FLOPs, memory per rank and time on "
                         "the cluster of `pretrain.plan` for every stage, and exit without running")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides, JobConfig)
+    cfg = load_config(args.config, args.overrides, PretrainJob)
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     if args.plan:
         from k3rl.rl.pretrain.climb import check

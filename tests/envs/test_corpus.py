@@ -215,7 +215,7 @@ def test_cli_build(tmp_path, jsonl_file, capsys):
     manifest = json.loads((tmp_path / "c" / "cli" / "manifest.json").read_text())
     assert manifest["bm25"]["k1"] == 1.0 and manifest["config"]["chunk_words"] == 50
     assert corpus_cli.main(["build", str(cfg), "chunk_size=3"]) == 2
-    assert "valid keys: name, source, files" in capsys.readouterr().err
+    assert "valid keys there: name, source, files" in capsys.readouterr().err
     missing = tmp_path / "missing.yaml"
     missing.write_text(f"name: m\nsource: null\nfiles: [{tmp_path / 'gone.jsonl'}]\ncache_dir: {tmp_path / 'c'}\n")
     assert corpus_cli.main(["build", str(missing)]) == 1

@@ -12,7 +12,7 @@ layer index (`first_k_dense_replace`, `moe_layer_freq`, AttnRes blocks) is 0-bas
 
 `K3Config` is defined on first access (PEP 562 module `__getattr__`): building it imports
 transformers (and torch, ~2 s), and this module must stay cheap because every job config
-(`rl/config.py`) imports `ModelConfig` before a CLI has parsed its arguments.
+(`rl/config/`) imports `ModelConfig` before a CLI has parsed its arguments.
 `validate_model_config` runs on plain dicts, so it can check an OmegaConf config without torch.
 """
 

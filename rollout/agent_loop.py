@@ -12,7 +12,7 @@ Partial rollouts: `run(..., max_rounds=k)` stops after k rounds and hands back e
 episode as a `PausedEpisode` (request, the environment's `Episode` with its env object, the tokens
 so far); `run(..., resume=[…])` continues them at that turn boundary. Nothing about a paused
 episode leaves the process. Its next turns are sampled by whatever weights the engine holds then
-and carry that version. Under `reprefill` (rl/config.py `rollout.partial_resume`) the engine prefills
+and carry that version. Under `reprefill` (rl/config/sections.py `rollout.partial_resume`) the engine prefills
 the whole context again under those weights; under `keep_state` it continues the episode's session
 state, part of which older weights computed: each trajectory counts, over its turns, the context
 tokens read from such a state (`metrics["stale_state_tokens"]`, from `Completion.stale_state_tokens`).

@@ -45,7 +45,7 @@ class WorkerSpec:
     device: str = "cpu"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     partial_resume: str = "reprefill"
-    """How a paused episode continues under new weights (rl/config.py `rollout.partial_resume`)."""
+    """How a paused episode continues under new weights (rl/config/sections.py `rollout.partial_resume`)."""
     trust_remote_code: bool = False
     """Whether the model directory's own Python code may run (`run.trust_remote_code`, model/formats/trust.py)."""
 

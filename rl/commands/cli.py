@@ -3,7 +3,7 @@
 Each subcommand is a `main(argv) -> int` function in the module that owns the work, imported
 only when that subcommand runs: `k3rl --help` and argument errors answer without importing
 torch, Ray or vLLM. Every command that takes a config reads `CONFIG.yaml` followed by dotted
-`key=value` overrides (see `rl/config.py`).
+`key=value` overrides (see `rl/config/`, one schema per command).
 """
 
 from __future__ import annotations

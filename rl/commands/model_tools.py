@@ -17,7 +17,7 @@ shard set, shapes, dtypes, and NaN/inf weights, refused by tensor unless `--allo
 stores the routed experts in MXFP4, which is lossy (4-bit values, one shared power-of-two scale per 32); a NaN/inf
 there is refused by tensor (it would make its group of 32 NaN) and a value beyond ≈2.98e38 is a warning (it
 decodes to inf).
-CONFIG is any recipe with a `model:` section, read by the job loader (`rl.config.load_model_config`:
+CONFIG is any recipe with a `model:` section, read by the job loader (`k3rl.rl.config.load_model_config`:
 `base:` recipes, dotted overrides with or without the `model.` prefix). Both commands parse their
 arguments before importing torch.
 """

@@ -31,7 +31,7 @@ import os, sys, time
 sys.path.insert(0, {repo!r})
 import ray
 from k3rl.rl.orchestrator.cluster import init_ray
-from rl.config import RayConfig
+from k3rl.rl.config import RayConfig
 
 init_ray(RayConfig(address=None, num_cpus=1), log_to_driver=False)
 

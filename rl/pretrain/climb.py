@@ -95,8 +95,11 @@ def climb_identity(cfg: Any) -> dict[str, Any]:
 
     pre = OmegaConf.to_container(cfg.pretrain, resolve=True)
     keep = {k: pre[k] for k in ("model_dir", "sources", "stages", "heldout_source", "heldout_docs")}
-    return {"seed": cfg.run.seed, "model": OmegaConf.to_container(cfg.model, resolve=True),
-            "learner": OmegaConf.to_container(cfg.learner, resolve=True), "pretrain": keep}
+    # the learner's ranks and Ray resources (`learner.num_ranks`, …) do not change the data order or the weights
+    learner = {k: v for k, v in OmegaConf.to_container(cfg.learner, resolve=True).items()
+               if k not in ("num_ranks", "num_cpus", "num_gpus")}
+    return {"seed": cfg.run.seed, "model": OmegaConf.to_container(cfg.model, resolve=True), "learner": learner,
+            "pretrain": keep}
 
 
 def _check_resume(run_dir: Path, identity: dict[str, Any]) -> None:

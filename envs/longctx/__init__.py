@@ -19,12 +19,13 @@ module per family holding its vocabulary, sentence templates, generator and solv
 family table), ``haystack.py`` (``generate``: facts hidden in real text, sized;
 the in-context prompt), ``oracles.py`` (solvers played as policies), ``serving.py``
 (the environments; registers them), ``taskfile.py`` (the ``file`` family: the task format, its
-checks, its haystacks and environments). Imports run one way, towards ``task.py``; nothing
+checks, its haystacks) and ``file_serving.py`` (its environments; registers them). Imports run one way, towards ``task.py``; nothing
 here is imported by envs/search.py.
 """
 
 from k3rl.envs.longctx.aggregate import GOODS
 from k3rl.envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS, SOLVERS
+from k3rl.envs.longctx.file_serving import FileContextEnv, FileSearchEnv
 from k3rl.envs.longctx.haystack import PROMPT_CONTEXT, generate, haystack_pool, parse_context, pool_words, render_context
 from k3rl.envs.longctx.ith import MEMO_ADJ, MEMO_OBJ, ORDINALS
 from k3rl.envs.longctx.multihop import RELATIONS
@@ -38,7 +39,8 @@ from k3rl.envs.longctx.taskfile import FILE_FAMILY, FileTask, TaskFile, TaskFile
 __all__ = [
     "COLOURS", "DEFAULTS", "ENTITY_PATTERN", "FAMILIES", "FILE_FAMILY", "GENERATORS", "GOODS", "MEMO_ADJ",
     "MEMO_OBJ", "OBJECTS", "ORDINALS", "PROMPT_CONTEXT", "PROMPT_SEARCH", "PROMPT_SEARCH_MINIMAL", "RELATIONS",
-    "ROLES", "SOLVERS", "UNANSWERABLE", "ContextOracle", "FamilySearchOracle", "Fact", "FileTask", "Instance",
+    "ROLES", "SOLVERS", "UNANSWERABLE", "ContextOracle", "FamilySearchOracle", "Fact", "FileContextEnv", "FileSearchEnv",
+    "FileTask", "Instance",
     "LongContextEnv", "LongContextSearchEnv", "Passages", "Solver", "TaskFile", "TaskFileError", "generate",
     "haystack_pool", "parse_context", "pool_words", "read_task_file", "render_context", "solve_in_context",
 ]

@@ -10,10 +10,10 @@ that measurably learns, on the CPU in minutes.
    Newcombe (hybrid score) interval, answer F1 and reward before/after, `report.json` and
    `quickstart.png`.
 
-The SFT and RL phases run on copies of the job config built as the schema's dataclasses, each with its own
-run directory (`sft/`, `rl/`) and starting model. The default recipe (configs/rl/quickstart.yaml) plants a habit
-in SFT (hedged answers, which exact match rejects) that only the reward can remove; bench/README.md records
-what was measured while choosing it.
+The SFT and RL phases run on an `SFTJob` and a `TrainJob` (rl/config/schemas.py) built from the quickstart
+job's sections, each with its own run directory (`sft/`, `rl/`) and starting model. The default recipe
+(configs/rl/quickstart.yaml) plants a habit in SFT (hedged answers, which exact match rejects) that only the
+reward can remove; bench/README.md records what was measured while choosing it.
 
 Everything lands in one run directory, `run.output_dir/run.name` (a `-2`, `-3`, … suffix when it
 exists already): `init/`, `sft/` (model, demos, loss), `rl/` (checkpoints, metrics.jsonl,
@@ -229,28 +229,36 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 
 def sft_job(cfg: Any, run_dir: Path, init_dir: Path) -> Any:
-    """The SFT phase's job: `cfg` with its run directory `run_dir/sft`, starting from the model in `init_dir`."""
+    """The SFT phase's `SFTJob`: the quickstart job's sections, run directory `run_dir/sft`, starting from the
+    model in `init_dir`."""
     from omegaconf import OmegaConf
 
+    from k3rl.rl.config import SFTJob
+
     job = OmegaConf.to_object(cfg)
-    return OmegaConf.structured(replace(job, run=replace(job.run, output_dir=str(run_dir), name="sft"),
-                                        sft=replace(job.sft, model_dir=str(init_dir))))
+    return OmegaConf.structured(SFTJob(
+        run=replace(job.run, output_dir=str(run_dir), name="sft"), ray=job.ray, model=job.model, algo=job.algo,
+        rollout=job.rollout, env=job.env, learner=job.learner, eval=job.eval,
+        sft=replace(job.sft, model_dir=str(init_dir))))
 
 
 def rl_job(cfg: Any, run_dir: Path, sft_model: Path) -> Any:
-    """The RL phase's job: `cfg` with its run directory `run_dir/rl`, starting from the SFT model, and evaluating
-    at the last step at least (`eval.every` = `rl.steps` when it is 0 or beyond the last step)."""
+    """The RL phase's `TrainJob`: the quickstart job's sections, run directory `run_dir/rl`, starting from the SFT
+    model, and evaluating at the last step at least (`eval.every` = `rl.steps` when it is 0 or beyond the last step)."""
     from omegaconf import OmegaConf
+
+    from k3rl.rl.config import TrainJob
 
     job = OmegaConf.to_object(cfg)
     every = job.eval.every if 0 < job.eval.every <= job.rl.steps else job.rl.steps
-    return OmegaConf.structured(replace(job, run=replace(job.run, output_dir=str(run_dir), name="rl"),
-                                        rl=replace(job.rl, model_path=str(sft_model)),
-                                        eval=replace(job.eval, every=every)))
+    return OmegaConf.structured(TrainJob(
+        run=replace(job.run, output_dir=str(run_dir), name="rl"), ray=job.ray, model=job.model,
+        rl=replace(job.rl, model_path=str(sft_model)), algo=job.algo, rollout=job.rollout, env=job.env,
+        learner=job.learner, eval=replace(job.eval, every=every)))
 
 
 def run_quickstart(cfg: Any) -> Path:
-    """Run the main job on a loaded `JobConfig`; returns the run directory."""
+    """Run the main job on a loaded `QuickstartJob`; returns the run directory."""
     from k3rl.rl.config import ConfigError
     from k3rl.rl.orchestrator.sft import init_model, run_sft
     from k3rl.rl.orchestrator.trainer import Trainer
@@ -304,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """`k3rl quickstart [CONFIG] [key=value …]`."""
     import argparse
 
-    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.config import ConfigError, QuickstartJob, load_config
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="k3rl quickstart", description=__doc__.splitlines()[0])
@@ -315,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "=" in args.config or args.config.startswith("~"):  # only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], DEFAULT_CONFIG
     try:
-        cfg = load_config(args.config, args.overrides, JobConfig)
+        cfg = load_config(args.config, args.overrides, QuickstartJob)
         run_quickstart(cfg)
     except ConfigError as e:
         print(f"k3rl quickstart: {e}", file=sys.stderr)

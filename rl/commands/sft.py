@@ -14,10 +14,10 @@ from k3rl.rl.commands.cli import config_parser
 def main(argv: list[str]) -> int:
     """`k3rl sft CONFIG [key=value …]`."""
     args = config_parser("k3rl sft", "supervised warm start on oracle demonstrations (the learner, nll objective)").parse_args(argv)
-    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.config import SFTJob, load_config
     from k3rl.rl.orchestrator.sft import run_sft
 
-    run_sft(load_config(args.config, args.overrides, JobConfig))
+    run_sft(load_config(args.config, args.overrides, SFTJob))
     return 0
 
 

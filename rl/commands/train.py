@@ -17,11 +17,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = config_parser("k3rl train", "RL post-training: rollout workers, learner, weight sync, "
                                        "checkpoints (rl.resume=true continues a run)").parse_args(argv)
-    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.config import ConfigError, TrainJob, load_config
     from k3rl.rl.orchestrator.trainer import Trainer
 
     try:
-        cfg = load_config(args.config, args.overrides, schema=JobConfig)
+        cfg = load_config(args.config, args.overrides, schema=TrainJob)
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"k3rl train: {e}", file=sys.stderr)

@@ -58,8 +58,6 @@ class Collector:
         self._eval_pending: deque[list[tuple[str, Any]]] = deque()
         self._eval_results: list = []
 
-    # ---- training groups
-
     def next_tasks(self, k: int) -> list[tuple[str, Any]]:
         """k training tasks: first any waiting to be collected again, then the shuffled pass at the cursor."""
         out = []
@@ -138,8 +136,6 @@ class Collector:
         while self.pool.busy():
             self.wait()
 
-    # ---- held-out episodes
-
     def evaluate(self, tasks: list[tuple[str, Any]], step: int) -> list:
         """One episode per held-out task (at `eval_sampling`), spread over the workers, in arrival order: how
         rl/orchestrator/pool_runner.py's `PoolRunner` plays."""
@@ -154,8 +150,6 @@ class Collector:
             self.wait()
         results, self._eval_results = self._eval_results, []
         return results
-
-    # ---- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         in_flight = self.pool.held_tasks() + self.pool.lost

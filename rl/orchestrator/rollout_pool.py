@@ -127,8 +127,6 @@ class RolloutPool:
             options["runtime_env"] = self.runtime_env
         return self._remote.options(**options).remote(spec)
 
-    # ---- weights
-
     def push_weights(self, named_weights: Any, version: int, blocking: bool) -> None:
         """Queue `named_weights` (with `version`) on every actor; `blocking` waits for each to confirm."""
         ref = ray.put(named_weights)
@@ -168,8 +166,6 @@ class RolloutPool:
                 self._confirm(slot)
             except RayActorError as e:
                 self._replace(slot, e)
-
-    # ---- collections
 
     def idle(self) -> list[Slot]:
         return [s for s in self.slots if s.chunk is None]

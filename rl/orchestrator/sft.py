@@ -30,7 +30,7 @@ from typing import Any
 from k3rl.rl.config import ConfigError, check_model_code
 from k3rl.rl.metrics import MetricsLogger
 from k3rl.rl.orchestrator.demonstrations import collect_demonstrations
-from k3rl.rl.train.supervised import as_trajectory, num_steps, step_batches, train_supervised
+from k3rl.rl.train.group import as_trajectory, num_steps, step_batches, train_supervised
 
 SFT_HEADLINE = (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm"), ("train_tokens_per_s", "tok/s"),
                 ("step_time_s", "s/step"))

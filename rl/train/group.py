@@ -9,6 +9,9 @@ commands drive. `LearnerGroup` has the same methods as `Learner`:
         group.save_into(tmp)
         save_trainer_state(tmp, {"step": step, "cursor": ..., "unconsumed": trajectories})
     # resume: path = find_latest(run_dir / "checkpoints"); group.load(path); load_trainer_state(path)
+
+One-process supervised training (SFT: rl/orchestrator/sft.py) drives a local `Learner` through the steps of
+rl/train/supervised.py, exported here too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.algos import get_algo
 from k3rl.rl.train import parallel
 from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
+from k3rl.rl.train.supervised import as_trajectory, num_steps, step_batches, train_supervised
 
 
 class LearnerWorker:
@@ -182,4 +186,5 @@ class LearnerGroup:
         remove_placement_group(self.placement_group)
 
 
-__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker"]
+__all__ = ["Learner", "LearnerConfig", "LearnerGroup", "LearnerWorker", "as_trajectory", "num_steps", "step_batches",
+           "train_supervised"]

@@ -59,6 +59,25 @@ def test_quickstart_runs_end_to_end_and_reports_before_and_after(tmp_path, capsy
     assert (tmp_path / "qs-2" / "report.json").exists()
 
 
+@pytest.mark.parametrize("extra", [[], ["eval.every=0", "rl.steps=3"], ["eval.every=5"]])
+def test_the_phases_run_what_k3rl_sft_and_k3rl_train_would_load(tmp_path, extra):
+    """The SFT and RL jobs are the recipe's sections as `k3rl sft` / `k3rl train` load them, with only the run
+    directory, the starting model and (at most `rl.steps`, never 0) `eval.every` set by the quickstart."""
+    from k3rl.rl.commands.quickstart import rl_job, sft_job
+    from k3rl.rl.config import QuickstartJob, SFTJob, TrainJob, load_config, to_yaml
+
+    recipe = REPO / "configs/rl/quickstart.yaml"
+    cfg = load_config(recipe, extra, QuickstartJob)
+    sft = load_config(recipe, extra + [f"run.output_dir={tmp_path}", "run.name=sft", f"sft.model_dir={tmp_path}/init"],
+                      SFTJob)
+    every = cfg.eval.every if 0 < cfg.eval.every <= cfg.rl.steps else cfg.rl.steps
+    rl = load_config(recipe, extra + [f"run.output_dir={tmp_path}", "run.name=rl", f"rl.model_path={tmp_path}/sft/model",
+                                      f"eval.every={every}"], TrainJob)
+    assert to_yaml(sft_job(cfg, tmp_path, tmp_path / "init")) == to_yaml(sft)
+    assert to_yaml(rl_job(cfg, tmp_path, tmp_path / "sft" / "model")) == to_yaml(rl)
+    assert rl_job(cfg, tmp_path, tmp_path).eval.every == (3 if extra[:1] == ["eval.every=0"] else 8 if not extra else 5)
+
+
 def test_quickstart_needs_held_out_tasks(tmp_path, capsys):
     assert main([f"run.output_dir={tmp_path}", "eval.num_tasks=0"]) == 2
     assert "eval.num_tasks: the quickstart compares held-out success" in capsys.readouterr().err

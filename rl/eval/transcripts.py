@@ -5,7 +5,7 @@ line: task id, reward and its components, finish reason, and the episode after i
 with the policy's tokenizer (the model's turns and the tool observations, special tokens kept, so
 the text shows exactly what the model produced). `side_by_side` pairs two evaluations on the same
 tasks — before and after RL — and picks the episodes whose outcome changed, for the quickstart's
-report (`rl/commands/quickstart.py`).
+report (rl/eval/before_after.py).
 
 Imports without torch, Ray or vLLM; the tokenizer is passed in.
 """

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from k3rl.rl.commands.quickstart import collapses, main, newcombe_interval, summary_lines
+from k3rl.rl.commands.quickstart import main
+from k3rl.rl.eval.before_after import collapses, newcombe_interval, summary_lines
 
 REPO = Path(__file__).resolve().parents[2]
 

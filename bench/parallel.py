@@ -1,6 +1,6 @@
 """The learner under data, expert and sharded parallelism on this machine, and the sizing of RL on the full K3.
 
-Measured (default): one learner step (`LearnerGroup.train_step`, rl/train/learner.py: GRPO, AdamW, float32) of the small
+Measured (default): one learner step (`LearnerGroup.train_step`, rl/train/group.py: GRPO, AdamW, float32) of the small
 config (configs/model/small.yaml: 203M parameters, 32 routed experts top-4, 11 MoE layers) on two gloo ranks, in
 three layouts, one after another in this run on the same batch:
 

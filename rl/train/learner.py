@@ -43,7 +43,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LearnerConfig(LearnerSettings):
-    """Everything one learner rank needs: the job's `learner:` section (rl/config.py `LearnerSettings`:
+    """Everything one learner rank needs: the job's `learner:` section (rl/config/learner.py `LearnerSettings`:
     optimizer, dtype, micro-batching, …) plus what the driver decides (OmegaConf-compatible types)."""
 
     model_path: str = ""
@@ -98,7 +98,7 @@ class LearnerConfig(LearnerSettings):
 
 def check_settings(cfg: LearnerConfig) -> None:
     """The value and cross-field checks of a learner's settings that the config loader does not do yet (it checks the
-    choices of `optimizer`, `dtype` and `lr_scheduler`, naming the key: rl/config.py)."""
+    choices of `optimizer`, `dtype` and `lr_scheduler`, naming the key: rl/config/)."""
     if cfg.micro_batch_tokens < 1 or cfg.logprob_chunk_size < 1:
         raise ValueError("micro_batch_tokens and logprob_chunk_size must be ≥ 1")
     if cfg.max_grad_norm < 0:

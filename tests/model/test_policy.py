@@ -38,6 +38,30 @@ def test_is_k3_is_answered_by_type(policy):
     assert policy.is_k3 == (type(policy.model).__name__ == "K3ForCausalLM")
 
 
+def test_one_class_per_family_with_its_capabilities(policy, tmp_path):
+    """`Policy(model)` and `load_policy` give the family's class; the learner asks its flags, not its type; each
+    family writes and reads its own checkpoint format (internal names both ways)."""
+    from k3rl.model.policy import HFPolicy, K3Policy
+
+    k3 = policy.is_k3
+    assert type(policy) is (K3Policy if k3 else HFPolicy) and type(Policy(policy.model)) is type(policy)
+    assert (policy.segments, policy.routing_replay, policy.shardable, policy.resumable) == (k3,) * 4
+    assert policy.can_share_prefix(False) and policy.can_share_prefix(True) == k3
+    if k3:
+        policy.model.config.mla_use_nope = False
+        policy.set_rope_theta(640000.0)
+        assert policy.model.config.rope_theta == 640000.0
+        with pytest.raises(ValueError, match="must be > 1"):
+            policy.set_rope_theta(1.0)
+    else:
+        with pytest.raises(ValueError, match="rope_theta: the model .* has no RoPE layers"):
+            policy.set_rope_theta(640000.0)
+    policy.save(tmp_path)
+    state = policy.model.state_dict()
+    read = policy.read_weights(tmp_path)
+    assert set(read) <= set(state) and all(torch.equal(read[n], state[n]) for n in read)
+
+
 def test_final_hidden_and_logprobs_equal_the_replaced_code(policy):
     torch.manual_seed(0)
     vocab = policy.model.config.vocab_size

@@ -62,7 +62,8 @@ def save_model(model: Any, directory: str | Path, *, layout: Optional[str] = Non
     model/formats/remote/ (with `auto_map`), and the tokenizer of `tokenizer_from` when given (`copy_tokenizer`: its code
     only with `trust_remote_code`).
     `quantize="mxfp4"` stores the routed experts in MXFP4 (lossy). Weight files of an earlier save there are
-    replaced; the caller makes the directory atomic (`rl.checkpoint.atomic_dir`, a temporary sibling)."""
+    replaced; the caller makes the directory atomic (util/atomic.py `atomic_dir`, a temporary sibling;
+    rl/checkpoint.py `atomic_dir` adds the `COMPLETE` manifest)."""
     return save_state_dict(model.config, model.state_dict(), directory, layout=layout, tokenizer_from=tokenizer_from,
                            quantize=quantize, max_shard_bytes=max_shard_bytes, trust_remote_code=trust_remote_code,
                            allow_nonfinite=allow_nonfinite)

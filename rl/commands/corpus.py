@@ -2,7 +2,7 @@
 
 CONFIG is a YAML file of ``CorpusConfig`` fields, or the name of a built-in source
 (``wiki``, ``shakespeare``). Overrides use dotted keys (``bm25.k1=0.9``,
-``indexes=[bm25,dense]``); an unknown key fails with the list of valid ones.
+``indexes=[bm25,dense]``; read by envs/corpus_config.py); an unknown key fails with the list of valid ones.
 Exit codes: 0 built, 1 corpus error (missing or corrupt input), 2 bad usage.
 """
 

@@ -189,7 +189,7 @@ class Climb:
         return [d for name, ids in self.heldout.items() for d in heldout_documents(self.stores[name], ids)]
 
     def make_learner(self, index: int, model_path: Path):
-        from k3rl.rl.train.learner import Learner, LearnerGroup
+        from k3rl.rl.train.group import Learner, LearnerGroup
 
         lcfg = st.learner_config(self.cfg, index, model_path, self.model_config)
         ranks = self.cfg.learner.num_ranks

@@ -257,14 +257,66 @@ def test_sft_and_stages_override_the_learner_section():
         "segment_tokens": 2048}
 
 
-@pytest.mark.parametrize("override,message", [
-    ("learner.num_ranks=0", "learner.num_ranks: must be ≥ 1, got 0"),
-    ("sft.learner.logprob_chunk_size=0", "sft.learner.logprob_chunk_size: must be > 0, got 0"),
-    ("sft.learner.lr_scheduler=constant", "sft.learner.warmup_steps: 10 with sft.learner.lr_scheduler=constant"),
-])
-def test_value_checks_name_the_key(override, message):
+CHECKED = [
+    ("TrainJob", "rl", ["learner.num_ranks=0"], "learner.num_ranks: must be ≥ 1, got 0"),
+    ("TrainJob", "rl", ["rl.steps=0"], "rl.steps: must be ≥ 1, got 0"),
+    ("TrainJob", "rl", ["rollout.num_workers=0"], "rollout.num_workers: must be ≥ 1, got 0"),
+    ("TrainJob", "rl", ["rl.keep_checkpoints=0"], "rl.keep_checkpoints: must be ≥ 1, got 0"),
+    ("TrainJob", "rl", ["rl.save_every=-1"], "rl.save_every: must be ≥ 0, got -1"),
+    ("TrainJob", "rl", ["eval.every=-1"], "eval.every: must be ≥ 0, got -1"),
+    ("TrainJob", "rl", ["rollout.partial_rounds=-1"], "rollout.partial_rounds: must be ≥ 0, got -1"),
+    ("TrainJob", "rl", ["run.device=cuda"], "run.device=cuda: set learner.num_gpus and rollout.num_gpus"),
+    ("SFTJob", "sft", ["sft.grad_accum=0"], "sft.grad_accum: must be > 0, got 0"),
+    ("SFTJob", "sft", ["sft.learner.logprob_chunk_size=0"], "sft.learner.logprob_chunk_size: must be > 0, got 0"),
+    ("SFTJob", "sft", ["sft.learner.lr_scheduler=constant"], "sft.learner.warmup_steps: 10 with sft.learner.lr_scheduler=constant"),
+    ("SFTJob", "sft", ["sft.hedging_rate=1.5"], r"sft.hedging_rate: must be in \[0, 1\), got 1.5"),
+    ("SFTJob", "sft", ["sft.closed_book_rate=0.5"], r"sft.closed_book_rate \+ sft.hedging_rate: must be < 1"),
+    ("SFTJob", "sft", ["sft.hedge=' '"], "sft.hedge: empty"),
+    ("SFTJob", "sft", ["sft.eval_tasks=-1"], "sft.eval_tasks: must be ≥ 0, got -1"),
+    ("SFTJob", "sft", ["run.device=tpu"], "run.device: `cpu` or `cuda`, got 'tpu'"),
+    ("QuickstartJob", "rl", ["rl.group_size=0"], "rl.group_size: must be ≥ 1, got 0"),
+    ("QuickstartJob", "rl", ["sft.num_tasks=0"], "sft.num_tasks: must be > 0, got 0"),
+    ("PretrainJob", "pretrain", ["learner.num_ranks=3"],
+     r"pretrain.stages\[0\].batch_tokens: 32 rows per step do not split evenly over learner.num_ranks = 3 ranks"),
+    ("PretrainJob", "pretrain", ["pretrain.save_every=0"], "pretrain.save_every: must be ≥ 1, got 0"),
+    ("PretrainJob", "pretrain", ["pretrain.heldout_docs=-1"], "pretrain.heldout_docs / heldout_every: must be ≥ 0"),
+    ("PretrainJob", "pretrain", ["pretrain.eval_lengths=[100]"], r"pretrain.eval_lengths: each ≥ 256 tokens, got \[100\]"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[]"], "pretrain.stages: empty"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{seq_len: 512}, {seq_len: 256}]"],
+     r"pretrain.stages\[1\].seq_len: 256 is not longer than stage 0's 512"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{tokens: 0}]"], r"pretrain.stages\[0\].tokens: must be > 0, got 0"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{batch_tokens: 100}]"],
+     r"pretrain.stages\[0\].batch_tokens: must be a positive multiple of seq_len 8192"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{learner: {lr: 0}}]"], r"pretrain.stages\[0\].learner.lr: must be > 0"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{decay_fraction: 2}]"], r"pretrain.stages\[0\].decay_fraction: must be in"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{learner: {min_lr_ratio: 2}}]"],
+     r"pretrain.stages\[0\].learner.min_lr_ratio: must be in \[0, 1\]"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{tokens: 65536, batch_tokens: 8192, learner: {warmup_steps: 8}}]"],
+     r"pretrain.stages\[0\].learner.warmup_steps: 8 warmup \+ 2 decay steps do not fit in the stage's 8 steps"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{learner: {segment_tokens: 0}}]"],
+     r"pretrain.stages\[0\].learner.segment_tokens: must be ≥ 1 or null, got 0"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{rope_theta: 1}]"], r"pretrain.stages\[0\].rope_theta: must be > 1"),
+    ("PretrainJob", "pretrain", ["pretrain.stages=[{mixture: {wiki: -1}}]"], r"pretrain.stages\[0\].mixture: weights must be ≥ 0"),
+    ("EvalJob", "eval", ["eval.context_lengths=[100]"], r"eval.context_lengths: each ≥ 256 tokens, got \[100\]"),
+    ("EvalJob", "eval", ["eval.num_tasks=0"], "eval.num_tasks: must be ≥ 1, got 0"),
+    ("EvalJob", "eval", ["eval.effective_ratio=0"], r"eval.effective_ratio: in \(0, 1\], got 0"),
+    ("EvalJob", "eval", ["eval.endpoint=http://x/v1", "eval.endpoint_retries=-1"], "eval.endpoint_retries ≥ 0"),
+    ("EvalJob", "eval", ["eval.endpoint=http://x/v1", "eval.endpoint_task_timeout_s=0"], "eval.endpoint_task_timeout_s: must be > 0"),
+    ("EvalJob", "eval", ["eval.endpoint=http://x/v1", "eval.endpoint_max_reply_chars=0"], "eval.endpoint_max_reply_chars: must be ≥ 1"),
+]
+RECIPE = {"rl": "configs/rl/quickstart.yaml", "sft": "configs/rl/sft.yaml", "pretrain": "configs/pretrain/cpu.yaml",
+          "eval": "configs/eval/longctx.yaml"}
+
+
+@pytest.mark.parametrize("schema,recipe,overrides,message", CHECKED, ids=[f"{c[0]}:{c[2][-1]}" for c in CHECKED])
+def test_a_command_schema_checks_values_naming_the_key(schema, recipe, overrides, message):
+    """Value and cross-field checks live in the command's schema (rl/config/checks.py): the loader names the key."""
+    import k3rl.rl.config as config
+
+    load_config(ROOT / RECIPE[recipe], [], getattr(config, schema))
     with pytest.raises(ConfigError, match=message):
-        load_config(ROOT / "configs/rl/quickstart.yaml", [override])
+        load_config(ROOT / RECIPE[recipe], overrides, getattr(config, schema))
+    load_config(ROOT / RECIPE[recipe], overrides)  # a recipe seen whole (`k3rl config`) is each command's to check
 
 
 def _leaves(data, path=""):

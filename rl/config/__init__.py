@@ -9,10 +9,11 @@ merged in order before the file's own values.
 Mistakes are caught before any work starts: an unknown key names its full dotted path and lists the valid keys at
 that level; a value of the wrong type names the key, the value and the type the schema expects; a key of an earlier
 recipe names where it moved. The package: `sections.py` (run, ray, rl, algo, rollout, env, eval), `learner.py`,
-`pretrain.py`, `schemas.py` (the commands' schemas), `moved.py`, `loader.py`; the YAML + override machinery is
+`pretrain.py`, `schemas.py` (the commands' schemas), `checks.py` (their value checks), `moved.py`, `loader.py`; the YAML + override machinery is
 util/yaml_config.py.
 """
 
+from k3rl.rl.config.checks import validate
 from k3rl.rl.config.learner import LearnerSection, LearnerSettings, PretrainLearner, SFTLearner, StageLearner, learner_overrides
 from k3rl.rl.config.loader import check_model_code, load_config, load_model_config, to_yaml
 from k3rl.rl.config.moved import MOVED_KEYS
@@ -41,5 +42,5 @@ __all__ = [
     "EvalJob", "JobConfig", "LRSchedule", "LearnerSection", "LearnerSettings", "Mode", "Optimizer", "OptimizerHandoff",
     "PartialResume", "PlanConfig", "PretrainConfig", "PretrainJob", "PretrainLearner", "QuickstartJob", "RLConfig",
     "RayConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTJob", "SFTLearner", "StageConfig", "StageLearner",
-    "TrainJob", "check_model_code", "learner_overrides", "load_config", "load_model_config", "to_yaml",
+    "TrainJob", "check_model_code", "learner_overrides", "load_config", "load_model_config", "to_yaml", "validate",
 ]

@@ -1,9 +1,13 @@
-"""Value and cross-field checks of the sections, run by the loader after a recipe and its overrides are merged
-(rl/config/loader.py): each names the dotted key that is wrong, before any work starts. A check belongs to the
-section it reads first; a command runs the checks of its schema's sections only."""
+"""Value and cross-field checks of each command's schema: each names the dotted key that is wrong, before any work
+starts. The loader runs a command schema's checks after merging the recipe and its overrides
+(rl/config/loader.py); a component handed a config from elsewhere (a test, the quickstart's composed jobs) runs
+them with `validate(cfg, schema)`. `JobConfig`, a recipe seen whole, has none of its own: each command checks
+what it reads. What needs more than the config (a model directory, a data file, the environment registry, the
+model's maximum length) stays with the component that reads it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,27 +23,122 @@ def _at_least(cfg: Any, keys: tuple[str, ...], low: int, strict: bool = False) -
             raise ConfigError(f"{key}: must be {'>' if strict else '≥'} {low}, got {value}")
 
 
-def check_sft(cfg: Any) -> None:
-    _at_least(cfg, ("sft.learner.logprob_chunk_size",), 0, strict=True)
-    ln = cfg.sft.learner
-    if str(ln.lr_scheduler) == "constant" and ln.warmup_steps > 0:
-        raise ConfigError(f"sft.learner.warmup_steps: {ln.warmup_steps} with sft.learner.lr_scheduler=constant, which "
-                          f"has no warmup; use constant_with_warmup or sft.learner.warmup_steps=0")
-
-
 def check_learner(cfg: Any) -> None:
     _at_least(cfg, ("learner.num_ranks",), 1)
 
 
+def check_device(cfg: Any) -> None:
+    if cfg.run.device not in ("cpu", "cuda"):
+        raise ConfigError(f"run.device: `cpu` or `cuda`, got {cfg.run.device!r}")
+
+
+def check_train(cfg: Any) -> None:
+    """The trainer's schedule, workers and devices (rl/orchestrator/preflight.py checks the model and environment)."""
+    _at_least(cfg, ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.keep_checkpoints"), 1)
+    _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds"),
+              0)
+    if str(cfg.run.device).startswith("cuda") and (cfg.learner.num_gpus <= 0 or cfg.rollout.num_gpus <= 0):
+        raise ConfigError("run.device=cuda: set learner.num_gpus and rollout.num_gpus (> 0; fractions share "
+                          "a GPU) so that Ray gives the actors a GPU")
+
+
+def check_sft(cfg: Any) -> None:
+    sft = cfg.sft
+    _at_least(cfg, ("sft.num_tasks", "sft.batch_size", "sft.grad_accum", "sft.logging_steps",
+                    "sft.learner.logprob_chunk_size"), 0, strict=True)
+    for key in ("closed_book_rate", "hedging_rate"):
+        if not 0.0 <= sft[key] < 1.0:
+            raise ConfigError(f"sft.{key}: must be in [0, 1), got {sft[key]}")
+    if sft.closed_book_rate + sft.hedging_rate >= 1.0:
+        raise ConfigError(f"sft.closed_book_rate + sft.hedging_rate: must be < 1 (some tasks are the oracle's), got "
+                          f"{sft.closed_book_rate} + {sft.hedging_rate}")
+    if sft.hedging_rate > 0 and not sft.hedge.strip():
+        raise ConfigError("sft.hedge: empty, so the hedging teacher would answer as the oracle does; give it a "
+                          "hedge such as ', I think' or set sft.hedging_rate=0")
+    ln = sft.learner
+    if str(ln.lr_scheduler) == "constant" and ln.warmup_steps > 0:
+        raise ConfigError(f"sft.learner.warmup_steps: {ln.warmup_steps} with sft.learner.lr_scheduler=constant, which "
+                          f"has no warmup; use constant_with_warmup or sft.learner.warmup_steps=0")
+    _at_least(cfg, ("sft.eval_tasks",), 0)
+
+
+def check_pretrain(cfg: Any) -> None:
+    """The stages and settings of a climb that the config alone decides (rl/pretrain/stages.py `check_stages` adds
+    the model's maximum length and the sources)."""
+    from k3rl.rl.config.pretrain import decay_steps, num_steps, rows_per_step
+
+    stages = list(cfg.pretrain.stages)
+    if not stages:
+        raise ConfigError("pretrain.stages: empty; give at least one stage (seq_len, tokens, batch_tokens, lr)")
+    for i, stage in enumerate(stages):
+        key, ln = f"pretrain.stages[{i}]", stage.learner
+        if stage.seq_len < 2:
+            raise ConfigError(f"{key}.seq_len: must be ≥ 2, got {stage.seq_len}")
+        if i and stage.seq_len <= stages[i - 1].seq_len:
+            raise ConfigError(f"{key}.seq_len: {stage.seq_len} is not longer than stage {i - 1}'s "
+                              f"{stages[i - 1].seq_len}; a context climb's lengths must increase")
+        if stage.tokens <= 0:
+            raise ConfigError(f"{key}.tokens: must be > 0, got {stage.tokens}")
+        if stage.batch_tokens <= 0 or stage.batch_tokens % stage.seq_len:
+            raise ConfigError(f"{key}.batch_tokens: must be a positive multiple of seq_len {stage.seq_len}, got "
+                              f"{stage.batch_tokens}")
+        if rows_per_step(stage) % cfg.learner.num_ranks:
+            raise ConfigError(f"{key}.batch_tokens: {rows_per_step(stage)} rows per step do not split evenly over "
+                              f"learner.num_ranks = {cfg.learner.num_ranks} ranks")
+        if not ln.lr > 0:
+            raise ConfigError(f"{key}.learner.lr: must be > 0, got {ln.lr}")
+        if not 0.0 <= stage.decay_fraction <= 1.0:
+            raise ConfigError(f"{key}.decay_fraction: must be in [0, 1], got {stage.decay_fraction}")
+        if not 0.0 <= ln.min_lr_ratio <= 1.0:
+            raise ConfigError(f"{key}.learner.min_lr_ratio: must be in [0, 1], got {ln.min_lr_ratio}")
+        if ln.warmup_steps < 0 or ln.warmup_steps + decay_steps(stage) > num_steps(stage):
+            raise ConfigError(f"{key}.learner.warmup_steps: {ln.warmup_steps} warmup + {decay_steps(stage)} decay steps "
+                              f"do not fit in the stage's {num_steps(stage)} steps")
+        if ln.segment_tokens is not None and ln.segment_tokens < 1:
+            raise ConfigError(f"{key}.learner.segment_tokens: must be ≥ 1 or null, got {ln.segment_tokens}")
+        if stage.rope_theta is not None and not stage.rope_theta > 1.0:
+            raise ConfigError(f"{key}.rope_theta: must be > 1, got {stage.rope_theta}")
+        if any(w < 0 for w in stage.mixture.values()) or (stage.mixture and sum(stage.mixture.values()) <= 0):
+            raise ConfigError(f"{key}.mixture: weights must be ≥ 0 with a positive sum, got {dict(stage.mixture)}")
+    pre = cfg.pretrain
+    _at_least(cfg, ("pretrain.save_every", "pretrain.keep_checkpoints", "pretrain.log_every"), 1)
+    if pre.heldout_docs < 0 or pre.heldout_every < 0:
+        raise ConfigError(f"pretrain.heldout_docs / heldout_every: must be ≥ 0, got {pre.heldout_docs} / "
+                          f"{pre.heldout_every}")
+    if any(n < 256 for n in pre.eval_lengths):
+        raise ConfigError(f"pretrain.eval_lengths: each ≥ 256 tokens, got {list(pre.eval_lengths)}")
+
+
+def check_eval(cfg: Any) -> None:
+    """`k3rl eval`'s grid sizes and endpoint limits (rl/eval/ checks the families, servings and baselines by name,
+    the model directory and the task file)."""
+    ev = cfg.eval
+    if not ev.context_lengths or any(int(n) < 256 for n in ev.context_lengths):
+        raise ConfigError(f"eval.context_lengths: each ≥ 256 tokens, got {list(ev.context_lengths)}")
+    _at_least(cfg, ("eval.num_tasks", "eval.batch_size", "eval.depth_bins"), 1)
+    if not 0 < ev.effective_ratio <= 1:
+        raise ConfigError(f"eval.effective_ratio: in (0, 1], got {ev.effective_ratio}")
+    if ev.endpoint is not None:
+        if not 0 < ev.endpoint_timeout_s < math.inf or ev.endpoint_retries < 0:
+            raise ConfigError(f"eval.endpoint_timeout_s must be > 0 (and finite) and eval.endpoint_retries ≥ 0; got "
+                              f"{ev.endpoint_timeout_s} and {ev.endpoint_retries}")
+        if ev.endpoint_task_timeout_s is not None and not 0 < ev.endpoint_task_timeout_s < math.inf:
+            raise ConfigError(f"eval.endpoint_task_timeout_s: must be > 0 and finite (or null), got "
+                              f"{ev.endpoint_task_timeout_s}")
+        _at_least(cfg, ("eval.endpoint_max_reply_chars",), 1)
+
+
 CHECKS: dict[str, tuple[Callable[[Any], None], ...]] = {
-    "learner": (check_learner,),
-    "sft": (check_sft,),
+    "TrainJob": (check_learner, check_train),
+    "SFTJob": (check_learner, check_sft, check_device),
+    "QuickstartJob": (check_learner, check_train, check_sft, check_device),
+    "PretrainJob": (check_learner, check_device, check_pretrain),
+    "EvalJob": (check_eval,),
 }
-"""Section name → its checks, in order."""
+"""A command schema's name → its checks, in order."""
 
 
-def check_sections(cfg: Any, sections: list[str]) -> None:
-    """Run the checks of `sections` (those of a command's schema) on a merged config."""
-    for section in sections:
-        for check in CHECKS.get(section, ()):
-            check(cfg)
+def validate(cfg: Any, schema: type) -> None:
+    """Run the checks of `schema` (a command's) on a merged config: a ConfigError names the first wrong key."""
+    for check in CHECKS.get(schema.__name__, ()):
+        check(cfg)

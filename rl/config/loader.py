@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from k3rl.rl.config.checks import check_sections
+from k3rl.rl.config.checks import validate
 from k3rl.rl.config.moved import MOVED_KEYS
 from k3rl.rl.config.schemas import JobConfig
 from k3rl.util.yaml_config import ConfigError, load
@@ -19,14 +19,15 @@ from k3rl.util.yaml_config import to_yaml as to_yaml
 
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type = JobConfig) -> DictConfig:
     """Schema defaults ← `base:` recipes ← the YAML file ← `key=value` overrides, checked at each step against
-    `JobConfig` (every section a recipe may hold), then the value checks of the sections of `schema` (rl/config/checks.py);
-    a command's schema keeps its own sections, resolved."""
-    sections = [f.name for f in dataclasses.fields(schema)]
-    cfg = load(JobConfig, path, overrides, MOVED_KEYS, checks=lambda merged: check_sections(merged, sections))
+    `JobConfig` (every section a recipe may hold); a command's `schema` then keeps its own sections, resolved, and
+    runs its value and cross-field checks (rl/config/checks.py)."""
+    cfg = load(JobConfig, path, overrides, MOVED_KEYS)
     if schema is JobConfig:
         return cfg
-    own = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in sections}
-    return OmegaConf.merge(OmegaConf.structured(schema), own)
+    own = {f.name: OmegaConf.to_container(cfg[f.name], resolve=True) for f in dataclasses.fields(schema)}
+    cfg = OmegaConf.merge(OmegaConf.structured(schema), own)
+    validate(cfg, schema)
+    return cfg
 
 
 def load_model_config(path: str | Path, overrides: list[str] = ()) -> Any:

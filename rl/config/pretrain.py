@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Optional
+from typing import Any, Optional
 
 from k3rl.rl.config.learner import PretrainLearner, StageLearner
 
@@ -100,3 +101,18 @@ class PretrainConfig:
     learner: PretrainLearner = field(default_factory=PretrainLearner)
     """What every stage trains with instead of these `learner:` fields (weight decay, clipping); the ranks are
     `learner.num_ranks`."""
+
+
+def num_steps(stage: Any) -> int:
+    """Optimizer steps of a stage: its token budget in whole steps of `batch_tokens` (rounded up)."""
+    return max(1, math.ceil(stage.tokens / stage.batch_tokens))
+
+
+def rows_per_step(stage: Any) -> int:
+    """Packed rows of `seq_len` tokens per optimizer step (over all ranks)."""
+    return stage.batch_tokens // stage.seq_len
+
+
+def decay_steps(stage: Any) -> int:
+    """`wsd`: the steps of the decay (the last `decay_fraction` of the stage)."""
+    return round(stage.decay_fraction * num_steps(stage)) if str(stage.learner.lr_scheduler) == "wsd" else 0

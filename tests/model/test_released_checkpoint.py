@@ -1,10 +1,10 @@
 """A released-format K3 directory (MXFP4 experts, sharded, `language_model.` names) loads into k3rl and trains.
 
 The directory is synthesized the way `moonshotai/Kimi-K3` is laid out, at tiny size (tests/model/k3_factory.py,
-experts of width 32 so that MXFP4's groups of 32 fit): config.json from `hf_layout.released_config` plus an
+experts of width 32 so that MXFP4's groups of 32 fit): config.json from `config_json.released_config` plus an
 llm-compressor-style compressed-tensors `quantization_config`, bfloat16 weights (the router bias float32)
 sharded over ≥ 3 files with an index, the routed experts stored by `weight_files.write_weights` as
-`weight_packed`/`weight_scale`. `hf_layout.load_model` must give a K3ForCausalLM whose weights equal, bit for
+`weight_packed`/`weight_scale`. `load.load_model` must give a K3ForCausalLM whose weights equal, bit for
 bit, a native model holding the dequantized values (computed here from model/formats/mxfp4.py on the stacked experts,
 not through the reader), hence the same logits; and a `Learner` starts from the directory and takes a step.
 """

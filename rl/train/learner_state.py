@@ -12,23 +12,21 @@ layout, outside the train step.
 - every rank: its RNG states (`rng-rank{r}.pt`).
 
 `Learner.save` makes the directory atomic (`rl.checkpoint.atomic_dir`); the trainer writes the learner and its own
-state into one `CheckpointManager.begin(step)` directory (rl/checkpoint.py).
+state into one `CheckpointManager.begin(step)` directory (rl/checkpoint.py). Each function takes the `Learner`
+(rl/train/learner.py, which imports this module) and reads or sets its policy, optimizers, schedulers and `version`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.train import parallel
 from k3rl.rl.train.optim import restore_schedulers
-
-if TYPE_CHECKING:
-    from k3rl.rl.train.learner import Learner
 
 OPTIMIZER_FILE = "optimizer.pt"
 SHARDED_DIR = "sharded"
@@ -47,13 +45,13 @@ def read_optimizer_file(path: Path, device: Any) -> dict:
         return torch.load(path, map_location=device, weights_only=True)
 
 
-def optimizer_state(learner: Learner) -> dict[str, Any]:
+def optimizer_state(learner: Any) -> dict[str, Any]:
     """The contents of `OPTIMIZER_FILE`."""
     return {"version": learner.version, "optimizers": [o.state_dict() for o in learner.optimizers],
             "world_size": learner.world_size, "optimizer": str(learner.cfg.optimizer)}
 
 
-def load_optimizer_state(learner: Learner, path: Path, state: dict) -> None:
+def load_optimizer_state(learner: Any, path: Path, state: dict) -> None:
     """Put the optimizer states of `optimizer_state` (read from checkpoint `path`) into the learner's optimizers."""
     if state.get("optimizer") != learner.cfg.optimizer or len(state["optimizers"]) != len(learner.optimizers):
         raise ckpt.CheckpointError(f"{path}: saved with optimizer {state.get('optimizer')!r}, this learner "
@@ -66,19 +64,19 @@ def load_optimizer_state(learner: Learner, path: Path, state: dict) -> None:
                                    f"start a new run from its weights instead (rl.model_path={path})") from e
 
 
-def sharded_meta(learner: Learner) -> dict[str, Any]:
+def sharded_meta(learner: Any) -> dict[str, Any]:
     """What a sharded checkpoint records about the learner that wrote it (`SHARDED_META`)."""
     return {"version": learner.version, "world_size": learner.world_size, "expert_parallel": learner.cfg.expert_parallel,
             "fsdp": bool(learner.cfg.fsdp), "optimizer": str(learner.cfg.optimizer)}
 
 
-def write_plain(learner: Learner, directory: Path, tokenizer: Any) -> None:
+def write_plain(learner: Any, directory: Path, tokenizer: Any) -> None:
     """Rank 0 of an unsharded learner: the model in its family's format, then `OPTIMIZER_FILE`."""
     learner.policy.save(directory, tokenizer_from=tokenizer, trust_remote_code=learner.cfg.trust_remote_code)
     torch.save(optimizer_state(learner), directory / OPTIMIZER_FILE)
 
 
-def write_sharded(learner: Learner, directory: Path, tokenizer: Any) -> None:
+def write_sharded(learner: Any, directory: Path, tokenizer: Any) -> None:
     """Every rank of a sharded learner: its shards in `SHARDED_DIR`; rank 0 the gathered model and `SHARDED_META`."""
     parallel.save_sharded(directory / SHARDED_DIR, learner.model, learner.optimizers)
     state = parallel.full_state_dict(learner.model, learner.mesh)
@@ -88,7 +86,7 @@ def write_sharded(learner: Learner, directory: Path, tokenizer: Any) -> None:
         (directory / SHARDED_META).write_text(json.dumps(sharded_meta(learner), indent=1) + "\n")
 
 
-def save_into(learner: Learner, directory: str | Path) -> None:
+def save_into(learner: Any, directory: str | Path) -> None:
     """`Learner.save_into`: this rank's part of a checkpoint in the learner's layout, then its RNG states."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -100,7 +98,7 @@ def save_into(learner: Learner, directory: str | Path) -> None:
     torch.save(ckpt.capture_rng(), directory / f"rng-rank{learner.rank:05d}.pt")
 
 
-def read_plain(learner: Learner, path: Path) -> None:
+def read_plain(learner: Any, path: Path) -> None:
     """Weights, optimizer states and `version` of an unsharded checkpoint."""
     opt_file = path / OPTIMIZER_FILE
     if not opt_file.is_file():
@@ -127,7 +125,7 @@ def read_plain(learner: Learner, path: Path) -> None:
     learner.version = int(state["version"])
 
 
-def read_sharded(learner: Learner, path: Path) -> None:
+def read_sharded(learner: Any, path: Path) -> None:
     """Shards and `version` of a checkpoint written under a mesh, into a learner laid out as the one that wrote it."""
     cfg = learner.cfg
     if not (path / SHARDED_META).is_file():
@@ -158,7 +156,7 @@ def read_sharded(learner: Learner, path: Path) -> None:
     learner.version = int(meta["version"])
 
 
-def read_rng(learner: Learner, path: Path) -> None:
+def read_rng(learner: Any, path: Path) -> None:
     """This rank's RNG states; a rank the checkpoint has none for gets a fresh, distinct stream."""
     rng_file = path / f"rng-rank{learner.rank:05d}.pt"
     if rng_file.is_file():
@@ -168,7 +166,7 @@ def read_rng(learner: Learner, path: Path) -> None:
         torch.manual_seed(learner.cfg.seed + learner.rank + 1_000_003 * learner.version)
 
 
-def load(learner: Learner, path: str | Path) -> None:
+def load(learner: Any, path: str | Path) -> None:
     """`Learner.load`: weights, optimizer states, `version`, the schedule and this rank's RNG states."""
     path = Path(path)
     ckpt.verify(path)
@@ -180,7 +178,7 @@ def load(learner: Learner, path: str | Path) -> None:
     read_rng(learner, path)
 
 
-def load_optimizer(learner: Learner, path: str | Path) -> None:
+def load_optimizer(learner: Any, path: str | Path) -> None:
     """`Learner.load_optimizer`: another run's optimizer moments under this learner's own hyperparameters."""
     mine = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in learner.optimizers]
     path = Path(path)

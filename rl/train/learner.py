@@ -262,7 +262,7 @@ class Learner:
                 for j, part in zip(idx, logp.double().cpu().split(per_seq)):
                     parts[j] = part.numpy()
         for _ in range(idle):
-            self._idle_pass(grad=False)
+            units.idle_pass(self.policy, self._routers, self.cfg.logprob_chunk_size, self.device, grad=False)
         out: list[list[np.ndarray]] = [[] for _ in trajectories]
         for i, part in zip(owner, parts):
             out[i].append(part)
@@ -338,7 +338,7 @@ class Learner:
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.double() if k in sums else v.double()
         for _ in range(idle):
-            self._idle_pass(grad=True)
+            units.idle_pass(self.policy, self._routers, self.cfg.logprob_chunk_size, self.device, grad=True)
         keys = parallel.union_keys(sums, self.group)
         totals = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64)).to(self.device) for k in keys]
                              ) if keys else torch.zeros(0, dtype=torch.float64, device=self.device)
@@ -362,19 +362,6 @@ class Learner:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return self._finish(start, metrics, skipped, (n_tokens, n_seqs, n_inputs), len(batches), lr)
-
-    def _idle_pass(self, grad: bool) -> None:
-        """One forward (and backward) through every module a micro-batch uses, changing nothing: a one-token input
-        (a real token, attended, so that every value is finite and 0 × it is 0), its routing left out of the
-        balancing statistics, and a loss of 0 × log π, whose gradient is exactly zero on every parameter it
-        reaches — the same parameters as a real micro-batch's, so FSDP2 reduces the same set on every rank."""
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
-        rows = torch.ones_like(ids, dtype=torch.bool)  # [1, 1]
-        with router_balance.stats_paused(self._routers), torch.set_grad_enabled(grad):
-            hidden = self.policy.final_hidden(ids, attention_mask=rows.long(), rows=rows)  # [1, d]
-            logp = self.policy.selected_logprobs(hidden, ids[0], self.cfg.logprob_chunk_size)  # [1]
-            if grad:
-                (logp.sum() * 0.0).backward()
 
     def _balance_routers(self) -> dict[str, float]:
         if not self._routers:

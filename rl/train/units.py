@@ -4,7 +4,8 @@ as units (rl/train/segments.py `Unit`).
 A packed sequence (several documents) longer than a segment is cut into its documents (`pieces`), since segments run
 one document per row; micro-batches hold whole pieces within `micro_batch_tokens`, longest first, packed pieces apart
 from the rest (`pack`); with prefix sharing, the samples of a group that share their prompt form one unit whose
-prompt is computed once, the others are packed whole (`make_units`).
+prompt is computed once, the others are packed whole (`make_units`). Under a mesh, a rank with fewer units than the
+busiest runs idle passes (`idle_pass`), since every forward and backward of a sharded model holds collectives.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from k3rl.rl.train import router_balance
 from k3rl.rl.train.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, split_documents
 from k3rl.rl.train.segments import Unit
 
@@ -55,3 +57,17 @@ def make_units(seqs: list[TrainSequence], cfg: Any, policy: Any, device: torch.d
     for idx in pack([seqs[i] for i in rest], cfg.micro_batch_tokens, cfg.micro_batch_seqs):
         units.append(Unit(collate([seqs[rest[j]] for j in idx], device, routing_shape)))
     return units
+
+
+def idle_pass(policy: Any, routers: list, chunk_size: int, device: torch.device, grad: bool) -> None:
+    """One forward (and backward) through every module a micro-batch uses, changing nothing: a one-token input
+    (a real token, attended, so that every value is finite and 0 × it is 0), its routing left out of the
+    balancing statistics, and a loss of 0 × log π, whose gradient is exactly zero on every parameter it
+    reaches — the same parameters as a real micro-batch's, so FSDP2 reduces the same set on every rank."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+    rows = torch.ones_like(ids, dtype=torch.bool)  # [1, 1]
+    with router_balance.stats_paused(routers), torch.set_grad_enabled(grad):
+        hidden = policy.final_hidden(ids, attention_mask=rows.long(), rows=rows)  # [1, d]
+        logp = policy.selected_logprobs(hidden, ids[0], chunk_size)  # [1]
+        if grad:
+            (logp.sum() * 0.0).backward()

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from k3rl.rl.orchestrator.collector import Collector
+from k3rl.rl.orchestrator.pool_runner import PoolRunner
 from k3rl.rollout.trajectory import Trajectory
 
 
@@ -140,9 +141,10 @@ def test_async_prefetch_respects_its_cap():
 
 
 def test_evaluation_reruns_a_lost_chunk_and_returns_one_episode_per_task():
+    """The trainer's held-out evaluation plays through `PoolRunner` (the Runner of the Ray pool)."""
     pool = FakePool(2, lose={2})
     c = collector(pool)
-    results = c.evaluate(TASKS, step=3)
+    results = PoolRunner(c, step=3).play(TASKS)
     assert sorted(t.group_id for t in results) == [f"eval3/{t}" for t, _ in TASKS]
     assert all(ch.prefix == "eval3/" for ch in pool.dispatched)
 

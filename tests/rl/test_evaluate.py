@@ -1,5 +1,5 @@
 """rl/eval/evaluate.py: the one scorer — success by the environment's rule, reward components with intervals,
-breakdowns by task field — checked against hand-computed cases."""
+breakdowns by task field — checked against hand-computed cases; and the one Runner protocol it scores."""
 
 from __future__ import annotations
 
@@ -70,3 +70,15 @@ def test_breakdown_by_task_fields():
         ("multihop", None): (1, 1), ("needle", 4096): (1, 2), ("needle", 16384): (1, 1)}
     with pytest.raises(ValueError, match="3 tasks for 4 trajectories"):
         breakdown(eps, tasks[:3], ["family"], "em")
+
+
+def test_every_runner_plays_task_pairs():
+    """One protocol, `play(tasks) -> trajectories`, for the local engine, the endpoint and the trainer's Ray pool."""
+    import inspect
+
+    from k3rl.rl.eval.endpoint import EndpointRunner
+    from k3rl.rl.eval.runners import LocalRunner
+    from k3rl.rl.orchestrator.pool_runner import PoolRunner
+
+    for runner in (LocalRunner, EndpointRunner, PoolRunner):
+        assert list(inspect.signature(runner.play).parameters) == ["self", "tasks"], runner

@@ -1,6 +1,6 @@
 """The `k3rl` command line.
 
-Each subcommand is a `main(argv) -> int` function in the module that owns the work, imported
+Each subcommand is a `main(argv) -> int` function in its launcher module under rl/commands/, imported
 only when that subcommand runs: `k3rl --help` and argument errors answer without importing
 torch, Ray or vLLM. Every command that takes a config reads `CONFIG.yaml` followed by dotted
 `key=value` overrides (see `rl/config/`, one schema per command).

@@ -137,7 +137,7 @@ def _check(cfg) -> None:
 
 
 def run_sft(cfg) -> Path:
-    """Run one SFT job (a loaded `JobConfig`, whose `sft:` section drives it); returns the directory
+    """Run one SFT job (a loaded `SFTJob`, whose `sft:` section drives it); returns the directory
     of the trained HF model."""
     import k3rl.envs as envs
     from k3rl.rl.config import to_yaml

@@ -9,8 +9,8 @@ merged in order before the file's own values.
 Mistakes are caught before any work starts: an unknown key names its full dotted path and lists the valid keys at
 that level; a value of the wrong type names the key, the value and the type the schema expects; a key of an earlier
 recipe names where it moved. The package: `sections.py` (run, ray, rl, algo, rollout, env, eval), `learner.py`,
-`pretrain.py`, `schemas.py` (the commands' schemas), `checks.py` (their value checks), `moved.py`, `loader.py`; the YAML + override machinery is
-util/yaml_config.py.
+`pretrain.py`, `schemas.py` (the commands' schemas), `checks.py` (their value checks), `moved.py`, `loader.py`; the
+YAML + override machinery is util/yaml_config.py.
 """
 
 from k3rl.rl.config.checks import validate

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -23,8 +24,79 @@ def _at_least(cfg: Any, keys: tuple[str, ...], low: int, strict: bool = False) -
             raise ConfigError(f"{key}: must be {'>' if strict else '≥'} {low}, got {value}")
 
 
+def check_learner_settings(s: Any) -> None:
+    """The value and cross-field checks of a learner's settings (`LearnerSettings` fields, plus `total_steps`,
+    `algo` and `algo_args` as the driver decides them): a ValueError starting with the field's name. Run on every
+    rl/train/learner.py `LearnerConfig` (whatever built it) and, by the loader, on the `learner:` section."""
+    if s.micro_batch_tokens < 1 or s.logprob_chunk_size < 1:
+        raise ValueError("micro_batch_tokens and logprob_chunk_size must be ≥ 1")
+    if s.max_grad_norm < 0:
+        raise ValueError(f"max_grad_norm: must be ≥ 0, got {s.max_grad_norm}")
+    if not 0.0 <= s.min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio: must be in [0, 1], got {s.min_lr_ratio}")
+    schedule = str(s.lr_scheduler)
+    if schedule == "wsd" and not (s.total_steps and 0 <= s.decay_steps <= s.total_steps
+                                  and s.warmup_steps + s.decay_steps <= s.total_steps):
+        raise ValueError(f"wsd: warmup_steps {s.warmup_steps} + decay_steps {s.decay_steps} must fit in "
+                         f"total_steps {s.total_steps}")
+    if s.warmup_steps < 0 or (s.warmup_steps and schedule == "constant"):
+        raise ValueError(f"warmup_steps: {s.warmup_steps} with lr_scheduler {s.lr_scheduler!r} (`constant` "
+                         f"has no warmup: use constant_with_warmup)")
+    if schedule in ("linear", "cosine", "wsd") and not (s.total_steps and s.total_steps > 0):
+        raise ValueError(f"total_steps: lr_scheduler {s.lr_scheduler!r} decays over total_steps, got "
+                         f"{s.total_steps}")
+    if s.segment_tokens is not None and s.segment_tokens < 1:
+        raise ValueError(f"segment_tokens: must be ≥ 1 or null, got {s.segment_tokens}")
+    if s.micro_batch_seqs is not None and s.micro_batch_seqs < 1:
+        raise ValueError(f"micro_batch_seqs: must be ≥ 1 or null, got {s.micro_batch_seqs}")
+    if s.expert_parallel < 1:
+        raise ValueError(f"expert_parallel: must be ≥ 1, got {s.expert_parallel}")
+    if s.expert_parallel > 1 or bool(s.fsdp):
+        # Every rank must run the same sequence of forwards and backwards (their all-gathers and all-to-alls are
+        # collectives); the features below would make the passes of a rank depend on its own data.
+        from k3rl.rl.algos import get_algo
+
+        what = f"expert_parallel = {s.expert_parallel}, fsdp = {str(bool(s.fsdp)).lower()}"
+        if str(s.optimizer) != "adamw":
+            raise ValueError(f"optimizer: {s.optimizer!r} with {what}: only adamw (Muon orthogonalises whole "
+                             f"matrices, which are sharded across ranks here)")
+        if get_algo(s.algo, **dict(s.algo_args)).needs_reference:
+            raise ValueError(f"expert_parallel / fsdp ({what}): a reference model (algo.args.kl_coef > 0) is not "
+                             f"supported on a sharded learner; set algo.args.kl_coef=0")
+        if s.segment_tokens is not None:
+            raise ValueError(f"segment_tokens: must be null with {what} (a segmented sequence runs a number of "
+                             f"passes that depends on its length)")
+        if s.share_prefix:
+            raise ValueError(f"share_prefix: must be false with {what} (a shared prompt is an extra forward)")
+
+
 def check_learner(cfg: Any) -> None:
     _at_least(cfg, ("learner.num_ranks",), 1)
+    ln = cfg.learner
+    if ln.expert_parallel >= 1 and ln.num_ranks % ln.expert_parallel:
+        raise ConfigError(f"learner.expert_parallel: {ln.expert_parallel} must divide the number of learner ranks "
+                          f"(learner.num_ranks = {ln.num_ranks})")
+
+
+def check_train_learner(cfg: Any) -> None:
+    """The `learner:` section as the trainer runs it: total steps `rl.steps` when null, the objective of `algo:`."""
+    from types import SimpleNamespace
+
+    ln = cfg.learner
+    values = {k: str(v) if isinstance(v, Enum) else v for k, v in ln.items()}
+    settings = SimpleNamespace(**{**values, "algo": cfg.algo.name, "algo_args": OmegaConf.to_container(cfg.algo.args),
+                                  "total_steps": ln.total_steps if ln.total_steps is not None else int(cfg.rl.steps)})
+    if ln.expert_parallel > 1 or ln.fsdp:
+        from k3rl.rl.algos import get_algo
+
+        try:
+            get_algo(settings.algo, **settings.algo_args)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"algo.name / algo.args: {e}") from None
+    try:
+        check_learner_settings(settings)
+    except ValueError as e:
+        raise ConfigError(f"learner.{e}") from None
 
 
 def check_device(cfg: Any) -> None:
@@ -129,9 +201,9 @@ def check_eval(cfg: Any) -> None:
 
 
 CHECKS: dict[str, tuple[Callable[[Any], None], ...]] = {
-    "TrainJob": (check_learner, check_train),
+    "TrainJob": (check_learner, check_train, check_train_learner),
     "SFTJob": (check_learner, check_sft, check_device),
-    "QuickstartJob": (check_learner, check_train, check_sft, check_device),
+    "QuickstartJob": (check_learner, check_train, check_train_learner, check_sft, check_device),
     "PretrainJob": (check_learner, check_device, check_pretrain),
     "EvalJob": (check_eval,),
 }

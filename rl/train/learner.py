@@ -34,6 +34,7 @@ from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.algos import get_algo
 from k3rl.rl.algos.base import Algorithm, LossInputs
 from k3rl.rl.config import LearnerSettings
+from k3rl.rl.config.checks import check_learner_settings
 from k3rl.rl.train import learner_state, parallel, router_balance, segments, units
 from k3rl.rl.train.batching import TrainSequence, collate, to_train_sequence
 from k3rl.rl.train.optim import build_optimizers, build_schedulers
@@ -63,7 +64,7 @@ class LearnerConfig(LearnerSettings):
     the model's config); null: the model's own. Only a K3 model with `mla_use_nope: false` takes one."""
 
     def __post_init__(self):
-        check_settings(self)
+        check_learner_settings(self)
 
     @property
     def sharded(self) -> bool:
@@ -94,49 +95,6 @@ class LearnerConfig(LearnerSettings):
         if getattr(section, "num_ranks", None) is not None:
             cfg.check_ranks(int(section.num_ranks))
         return cfg
-
-
-def check_settings(cfg: LearnerConfig) -> None:
-    """The value and cross-field checks of a learner's settings that the config loader does not do yet (it checks the
-    choices of `optimizer`, `dtype` and `lr_scheduler`, naming the key: rl/config/)."""
-    if cfg.micro_batch_tokens < 1 or cfg.logprob_chunk_size < 1:
-        raise ValueError("micro_batch_tokens and logprob_chunk_size must be ≥ 1")
-    if cfg.max_grad_norm < 0:
-        raise ValueError(f"max_grad_norm: must be ≥ 0, got {cfg.max_grad_norm}")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
-    schedule = str(cfg.lr_scheduler)
-    if schedule == "wsd" and not (cfg.total_steps and 0 <= cfg.decay_steps <= cfg.total_steps
-                                  and cfg.warmup_steps + cfg.decay_steps <= cfg.total_steps):
-        raise ValueError(f"wsd: warmup_steps {cfg.warmup_steps} + decay_steps {cfg.decay_steps} must fit in "
-                         f"total_steps {cfg.total_steps}")
-    if cfg.warmup_steps < 0 or (cfg.warmup_steps and schedule == "constant"):
-        raise ValueError(f"warmup_steps: {cfg.warmup_steps} with lr_scheduler {cfg.lr_scheduler!r} (`constant` "
-                         f"has no warmup: use constant_with_warmup)")
-    if schedule in ("linear", "cosine", "wsd") and not (cfg.total_steps and cfg.total_steps > 0):
-        raise ValueError(f"total_steps: lr_scheduler {cfg.lr_scheduler!r} decays over total_steps, got "
-                         f"{cfg.total_steps}")
-    if cfg.segment_tokens is not None and cfg.segment_tokens < 1:
-        raise ValueError(f"segment_tokens: must be ≥ 1 or null, got {cfg.segment_tokens}")
-    if cfg.micro_batch_seqs is not None and cfg.micro_batch_seqs < 1:
-        raise ValueError(f"micro_batch_seqs: must be ≥ 1 or null, got {cfg.micro_batch_seqs}")
-    if cfg.expert_parallel < 1:
-        raise ValueError(f"expert_parallel: must be ≥ 1, got {cfg.expert_parallel}")
-    if cfg.sharded:
-        # Every rank must run the same sequence of forwards and backwards (their all-gathers and all-to-alls are
-        # collectives); the features below would make the passes of a rank depend on its own data.
-        what = f"expert_parallel = {cfg.expert_parallel}, fsdp = {str(bool(cfg.fsdp)).lower()}"
-        if str(cfg.optimizer) != "adamw":
-            raise ValueError(f"optimizer: {cfg.optimizer!r} with {what}: only adamw (Muon orthogonalises whole "
-                             f"matrices, which are sharded across ranks here)")
-        if get_algo(cfg.algo, **dict(cfg.algo_args)).needs_reference:
-            raise ValueError(f"expert_parallel / fsdp ({what}): a reference model (algo.args.kl_coef > 0) is not "
-                             f"supported on a sharded learner; set algo.args.kl_coef=0")
-        if cfg.segment_tokens is not None:
-            raise ValueError(f"segment_tokens: must be null with {what} (a segmented sequence runs a number of "
-                             f"passes that depends on its length)")
-        if cfg.share_prefix:
-            raise ValueError(f"share_prefix: must be false with {what} (a shared prompt is an extra forward)")
 
 
 def compute_advantages(algo: Algorithm, trajectories: Sequence[Any]) -> np.ndarray:
@@ -417,4 +375,4 @@ class Learner:
         learner_state.load_optimizer(self, path)
 
 
-__all__ = ["DTYPES", "Learner", "LearnerConfig", "check_settings", "compute_advantages"]
+__all__ = ["DTYPES", "Learner", "LearnerConfig", "compute_advantages"]

@@ -130,12 +130,12 @@ def run_child(spec: dict, timeout: float) -> dict:
 
 def plan(cfg, args) -> list[dict]:
     """Every measurement of the run, in order: per stage its variants, then the packed-vs-plain pair."""
-    from k3rl.rl.pretrain import stages as st
+    from k3rl.rl.config.pretrain import rows_per_step
 
     out = []
     for i, stage in enumerate(cfg.pretrain.stages):
         n = int(stage.seq_len)
-        rows = max(1, min(st.rows_per_step(stage), args.tokens_per_step // n))
+        rows = max(1, min(rows_per_step(stage), args.tokens_per_step // n))
         seg = stage.learner.segment_tokens if stage.learner.segment_tokens is not None else cfg.learner.segment_tokens
         seg = int(seg or args.segment)
         base = {"stage": i, "seq_len": n, "rows": rows, "plain": False}

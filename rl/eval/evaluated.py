@@ -5,7 +5,6 @@ chosen by `rollout.engine`) or `ServedModel` (rl/eval/endpoint.py: an OpenAI-com
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,13 @@ K3_MODEL_TYPES = ("k3rl_k3", "kimi_k3", "kimi_linear")
 
 def check_evaluated(cfg: Any) -> None:
     """Named errors for the evaluated model of an eval config, without loading it or reaching the network
-    (an endpoint is probed when `ServedModel` starts, still before anything is written)."""
+    (an endpoint is probed when `ServedModel` starts, still before anything is written); its timeouts and limits
+    are the schema's to check (rl/config/checks.py)."""
     ev = cfg.eval
     if ev.endpoint is not None:
         if not _is_http_url(str(ev.endpoint)):
             raise ConfigError(f"eval.endpoint: the http(s) base URL of an OpenAI-compatible API, e.g. "
                               f"http://127.0.0.1:8000/v1; got {ev.endpoint!r}")
-        if not 0 < ev.endpoint_timeout_s < math.inf or ev.endpoint_retries < 0:
-            raise ConfigError(f"eval.endpoint_timeout_s must be > 0 (and finite) and eval.endpoint_retries ≥ 0; got "
-                              f"{ev.endpoint_timeout_s} and {ev.endpoint_retries}")
-        if ev.endpoint_task_timeout_s is not None and not 0 < ev.endpoint_task_timeout_s < math.inf:
-            raise ConfigError(f"eval.endpoint_task_timeout_s: must be > 0 and finite (or null), got "
-                              f"{ev.endpoint_task_timeout_s}")
-        if ev.endpoint_max_reply_chars < 1:
-            raise ConfigError(f"eval.endpoint_max_reply_chars: must be ≥ 1, got {ev.endpoint_max_reply_chars}")
         if ev.model_path is not None and not _has_tokenizer(Path(ev.model_path)):
             raise ConfigError(f"eval.model_path: {ev.model_path} has no tokenizer (with eval.endpoint only its "
                               f"tokenizer is used: it counts the context lengths)")

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from k3rl.rl.config import ConfigError
+from k3rl.rl.config import ConfigError, EvalJob, validate
 from k3rl.rl.eval.baselines import run_baseline
 from k3rl.rl.eval.cells import BASELINES, SERVINGS, Cell, GridTask, build_grid
 from k3rl.rl.eval.evaluated import check_evaluated, evaluated_model
@@ -67,13 +67,7 @@ def check(cfg: Any) -> None:
     bad = [b for b in ev.baselines if b not in BASELINES]
     if bad:
         raise ConfigError(f"eval.baselines: {bad}; choose from {', '.join(BASELINES)}")
-    if not ev.context_lengths or any(int(n) < 256 for n in ev.context_lengths):
-        raise ConfigError(f"eval.context_lengths: each ≥ 256 tokens, got {list(ev.context_lengths)}")
-    for key in ("num_tasks", "batch_size", "depth_bins"):
-        if getattr(ev, key) < 1:
-            raise ConfigError(f"eval.{key}: must be ≥ 1, got {getattr(ev, key)}")
-    if not 0 < ev.effective_ratio <= 1:
-        raise ConfigError(f"eval.effective_ratio: in (0, 1], got {ev.effective_ratio}")
+    validate(cfg, EvalJob)  # the schema's value checks (rl/config/checks.py), for a config not read by the loader
     check_evaluated(cfg)
     if ev.model_path is not None:
         from k3rl.rl.checkpoint import check_model_path

@@ -10,15 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from k3rl.rl.config import ConfigError, check_model_code
+from k3rl.rl.config import ConfigError, TrainJob, check_model_code, validate
 from k3rl.rollout.worker import check_engine_args, check_partial_resume
 
 
 def check_job(cfg: Any) -> list[Path]:
     """Every check of a `k3rl train` job that needs no cluster (the model's weights read last, once); returns
     the files of user-defined environment modules the rollout actors must import."""
-    from omegaconf import OmegaConf
-
     rl = cfg.rl  # choices (rl.mode, rollout.engine, env.bad_task_rows, …) are enums checked by the loader
     if not rl.model_path:
         raise ConfigError("rl.model_path: set the initial policy's HF directory (`k3rl init`, `k3rl sft`, …)")
@@ -31,15 +29,7 @@ def check_job(cfg: Any) -> list[Path]:
     check_model_code(cfg, "rl.model_path", model_dir)
     if cfg.learner.ref_model_path:
         check_model_code(cfg, "learner.ref_model_path", cfg.learner.ref_model_path)
-    positive = ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.keep_checkpoints")
-    for key in positive:
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key}: must be ≥ 1, got {OmegaConf.select(cfg, key)}")
-    non_negative = ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts",
-                    "rollout.partial_rounds")
-    for key in non_negative:
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"{key}: must be ≥ 0, got {OmegaConf.select(cfg, key)}")
+    validate(cfg, TrainJob)  # the schema's value checks (rl/config/checks.py), for a config not read by the loader
     from k3rl.envs.registry import UnknownEnvironment, resolve, user_module_path
     from k3rl.rl.train.group import LearnerConfig
 
@@ -68,9 +58,6 @@ def check_job(cfg: Any) -> list[Path]:
         env_modules = [p for p in [user_module_path(cfg.env.name)] if p is not None]
     except UnknownEnvironment as e:
         raise ConfigError(f"env.name: {e}") from None
-    if str(cfg.run.device).startswith("cuda") and (cfg.learner.num_gpus <= 0 or cfg.rollout.num_gpus <= 0):
-        raise ConfigError("run.device=cuda: set learner.num_gpus and rollout.num_gpus (> 0; fractions share "
-                          "a GPU) so that Ray gives the actors a GPU")
     from k3rl.rl.checkpoint import check_model_path
 
     # last of the checks (it reads every weight once): here, not as a traceback from a Ray actor

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3rl.rl.config import ConfigError, check_model_code
+from k3rl.rl.config import ConfigError, SFTJob, check_model_code, validate
 from k3rl.rl.metrics import MetricsLogger
 from k3rl.rl.orchestrator.demonstrations import collect_demonstrations
 from k3rl.rl.train.group import as_trajectory, num_steps, step_batches, train_supervised
@@ -113,22 +113,7 @@ def _check(cfg) -> None:
         if not (path / "config.json").is_file():
             raise ConfigError(f"sft.model_dir: {path} is not a Hugging Face model directory (no config.json)")
         check_model_code(cfg, "sft.model_dir", path)
-    for key in ("num_tasks", "batch_size", "grad_accum", "logging_steps"):
-        if getattr(sft, key) <= 0:
-            raise ConfigError(f"sft.{key}: must be > 0, got {getattr(sft, key)}")
-    for key in ("closed_book_rate", "hedging_rate"):
-        if not 0.0 <= getattr(sft, key) < 1.0:
-            raise ConfigError(f"sft.{key}: must be in [0, 1), got {getattr(sft, key)}")
-    if sft.closed_book_rate + sft.hedging_rate >= 1.0:
-        raise ConfigError(f"sft.closed_book_rate + sft.hedging_rate: must be < 1 (some tasks are the oracle's), got "
-                          f"{sft.closed_book_rate} + {sft.hedging_rate}")
-    if sft.hedging_rate > 0 and not sft.hedge.strip():
-        raise ConfigError("sft.hedge: empty, so the hedging teacher would answer as the oracle does; give it a "
-                          "hedge such as ', I think' or set sft.hedging_rate=0")
-    if sft.eval_tasks < 0:
-        raise ConfigError(f"sft.eval_tasks: must be ≥ 0, got {sft.eval_tasks}")
-    if cfg.run.device not in ("cpu", "cuda"):
-        raise ConfigError(f"run.device: `cpu` or `cuda`, got {cfg.run.device!r}")
+    validate(cfg, SFTJob)  # the schema's value checks (rl/config/checks.py), for a config not read by the loader
     if sft.model_dir is not None:
         from k3rl.rl.checkpoint import check_model_path
 

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from k3rl.rl.config import ConfigError, check_model_code
+from k3rl.rl.config import ConfigError, PretrainJob, check_model_code, validate
+from k3rl.rl.config.pretrain import num_steps, rows_per_step
 from k3rl.rl.pretrain import stages as st
 
 PRETRAIN_HEADLINE = (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm"), ("train_tokens_per_s", "tok/s"),
@@ -70,8 +71,7 @@ def sources_of(cfg: Any) -> dict[str, Any]:
 
 def check(cfg: Any) -> tuple[Any, list[str]]:
     """(model config, notes) of a climb that can run; ConfigError naming the key otherwise."""
-    if cfg.run.device not in ("cpu", "cuda"):
-        raise ConfigError(f"run.device: `cpu` or `cuda`, got {cfg.run.device!r}")
+    validate(cfg, PretrainJob)  # the schema's value checks (rl/config/checks.py), for a config not read by the loader
     if cfg.pretrain.model_dir is not None:
         check_model_code(cfg, "pretrain.model_dir", cfg.pretrain.model_dir)
     config = model_config(cfg)
@@ -236,7 +236,7 @@ class Climb:
         stage = pre.stages[index]
         sdir = st.stage_dir(self.run_dir, index, stage)
         final = sdir / "final"
-        steps, rows = st.num_steps(stage), st.rows_per_step(stage)
+        steps, rows = num_steps(stage), rows_per_step(stage)
         manager = ckpt.CheckpointManager(sdir / "checkpoints", keep=pre.keep_checkpoints)
         latest = manager.latest()
         learner, start = self.stage_learner(index, previous, latest)

@@ -179,6 +179,10 @@ def check_pretrain(cfg: Any) -> None:
                           f"{pre.heldout_every}")
     if any(n < 256 for n in pre.eval_lengths):
         raise ConfigError(f"pretrain.eval_lengths: each ≥ 256 tokens, got {list(pre.eval_lengths)}")
+    score = pre.retrieval_score
+    _at_least(cfg, ("pretrain.retrieval_score.num_tasks",), 1)
+    if any(n < 256 for n in score.lengths):
+        raise ConfigError(f"pretrain.retrieval_score.lengths: each ≥ 256 tokens, got {list(score.lengths)}")
 
 
 def check_eval(cfg: Any) -> None:

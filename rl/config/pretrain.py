@@ -74,6 +74,26 @@ class PlanConfig:
 
 
 @dataclass
+class RetrievalScore:
+    """The likelihood score of retrieval for base models (rl/pretrain/retrieval_score.py), at each stage's start and
+    end beside the held-out loss by position: log p(gold answer | plain prompt) with vs without the evidence passages."""
+
+    enabled: bool = False
+    """Score after each stage (and at its start); off by default: at 16 tasks it costs two forwards of every length's
+    prompt per task."""
+    families: list[str] = field(default_factory=lambda: ["needle"])
+    """Long-context families (envs/longctx/: needle, multihop, aggregate, ith) whose tasks are scored."""
+    num_tasks: int = 16
+    """Tasks per family and length (`env.tasks(num_tasks, seed=eval.seed)`, the held-out seed stream)."""
+    lengths: list[int] = field(default_factory=list)
+    """Lengths (tokens of the family's in-context prompt; those ≤ the stage's are used); empty: the stage's grid
+    lengths (`pretrain.eval_lengths`)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The family's generator options (e.g. `{ask: colour, distractors: 0, paraphrase_rate: 0, source: wiki}`);
+    `unanswerable_rate` is 0 unless set here."""
+
+
+@dataclass
 class PretrainConfig:
     """Staged pretraining of the backbone (`k3rl pretrain`, rl/pretrain/climb.py)."""
 
@@ -97,6 +117,7 @@ class PretrainConfig:
     """After each stage, `k3rl eval`'s retrieval grid (`eval.families` × lengths up to the stage's) on its model."""
     eval_lengths: list[int] = field(default_factory=list)
     """Grid lengths (those ≤ the stage's length are used); empty: powers of 4 from 512 up to the stage length."""
+    retrieval_score: RetrievalScore = field(default_factory=RetrievalScore)
     plan: PlanConfig = field(default_factory=PlanConfig)
     learner: PretrainLearner = field(default_factory=PretrainLearner)
     """What every stage trains with instead of these `learner:` fields (weight decay, clipping); the ranks are

@@ -8,7 +8,8 @@
 - rl/train/learner.py: the learner of RL and SFT with the `nll` objective (rl/algos/nll.py): packed rows run as
   separate documents, a document longer than the stage's segment runs segment by segment (rl/train/segments.py);
   `learner.num_ranks > 1` puts the ranks on Ray exactly as the RL learner (`LearnerGroup`);
-- rl/pretrain/climb_report.py: loss by position on held-out long documents, plots; rl/eval/grid.py
+- rl/pretrain/climb_report.py: loss by position on held-out long documents, plots; rl/pretrain/retrieval_score.py:
+  log p(gold answer) with vs without the evidence passages (`pretrain.retrieval_score`); rl/eval/grid.py
   `eval_model_grid`: the retrieval grid on each stage's final model; rl/pretrain/plan.py: the cost, written beside
   the results.
 
@@ -18,7 +19,8 @@ says `optimizer: keep`), with its own RoPE base on the MLA layers (RoPE models o
 must match it), `plan.txt`, and per stage `stageN-LEN/`: `checkpoints/` (every `pretrain.save_every` steps, atomic,
 the newest `keep_checkpoints` kept), `metrics.jsonl` + `tb/` (one row per step: loss, tokens/s, grad norm, MaxVio
 per MoE layer, the step's data digest; the held-out loss by position in step 0's row and the last step's),
-`loss.png`, `heldout.json` (loss by position at the stage's start and end), `final/` (the
+`loss.png`, `heldout.json` (loss by position at the stage's start and end), `retrieval.json` (the retrieval score
+at its start and end, when `pretrain.retrieval_score.enabled`), `final/` (the
 stage's model: an HF directory with tokenizer and optimizer state), `eval/` (the retrieval grid). At the top:
 `position_loss.png`, `score_by_length.png` and `summary.json`.
 
@@ -86,6 +88,9 @@ def check(cfg: Any) -> tuple[Any, list[str]]:
     bad = [f for f in cfg.eval.families if f not in FAMILIES]
     if cfg.pretrain.eval_grid and (bad or not cfg.eval.families):
         raise ConfigError(f"eval.families: {bad or 'empty'}; the grid after each stage takes {', '.join(FAMILIES)}")
+    from k3rl.rl.pretrain.retrieval_score import check_settings
+
+    check_settings(cfg)
     return config, notes
 
 
@@ -146,6 +151,7 @@ class Climb:
         self.stores: dict[str, Any] = {}
         self.heldout: dict[str, list[int]] = {}
         self.summary: list[dict[str, Any]] = []
+        self.tokenizer: Any = None
         self.owns_ray = False  # a local Ray cluster this climb started (learner.num_ranks > 1), shut down at the end
 
     def start_model(self) -> Path:
@@ -228,7 +234,8 @@ class Climb:
     def run_stage(self, index: int, previous: Optional[Path]) -> Path:
         """Train stage `index` to its final checkpoint (resuming it when it has checkpoints); returns `final/`."""
         from k3rl.rl import checkpoint as ckpt
-        from k3rl.rl.metrics import MetricsLogger, read_metrics
+        from k3rl.rl.metrics import MetricsLogger, null_nonfinite, read_metrics
+        from k3rl.rl.pretrain import retrieval_score as rs
         from k3rl.rl.pretrain.climb_report import bucket_name, plot_stage_loss, position_loss
         from k3rl.rl.pretrain.packing import PackedRows
 
@@ -254,6 +261,9 @@ class Climb:
         heldout = json.loads(heldout_file.read_text()) if heldout_file.is_file() else {}
         docs = self.heldout_docs()
 
+        retrieval_file = sdir / "retrieval.json"
+        retrieval = json.loads(retrieval_file.read_text()) if retrieval_file.is_file() else {}
+
         def measure(label: str, step: int) -> dict[str, Any]:
             curve = position_loss(learner.score, docs, stage.seq_len) if docs else {}
             if curve:
@@ -261,7 +271,14 @@ class Climb:
                 heldout_file.write_text(json.dumps(heldout, indent=1))
                 print(f"{sdir.name} held-out loss by position at step {step}: " + ", ".join(
                     f"{bucket_name(*b)} {v:.3f}" for b, v in zip(curve["buckets"], curve["nll"])), flush=True)
-            return {f"heldout/nll_{bucket_name(*b)}": v for b, v in zip(curve.get("buckets", []), curve.get("nll", []))}
+            out = {f"heldout/nll_{bucket_name(*b)}": v for b, v in zip(curve.get("buckets", []), curve.get("nll", []))}
+            if pre.retrieval_score.enabled and label in ("start", "end"):
+                score = rs.stage_score(cfg, stage, learner.score, self.tokenizer)
+                retrieval[label] = {**score, "step": step}
+                retrieval_file.write_text(json.dumps(null_nonfinite(retrieval), indent=1, allow_nan=False))
+                print(rs.format_table(score, f"{sdir.name} retrieval at step {step}"), flush=True)
+                out.update(rs.scalars(score))
+            return out
 
         sdir.mkdir(parents=True, exist_ok=True)
         # rows after the step the stage (re)starts from belong to a run that died: cut them (one row per step)
@@ -318,6 +335,7 @@ class Climb:
         self._write_plan()
         started = time.perf_counter()
         tokenizer = load_tokenizer(self.start_model(), trust_remote_code=bool(self.cfg.run.trust_remote_code))
+        self.tokenizer = tokenizer
         self.load_data(tokenizer)
         previous: Optional[Path] = None
         for index, stage in enumerate(self.cfg.pretrain.stages):
@@ -343,13 +361,17 @@ class Climb:
         """A stage's numbers from its files (so a stage finished by an earlier, crashed run counts the same)."""
         from k3rl.rl.metrics import read_metrics
         from k3rl.rl.pretrain.climb_report import grid_scores
+        from k3rl.rl.pretrain.retrieval_score import summary
 
         rows = [r for r in read_metrics(sdir) if "loss" in r and not r.get("skipped")]
         heldout = json.loads((sdir / "heldout.json").read_text()) if (sdir / "heldout.json").is_file() else {}
+        retrieval = json.loads((sdir / "retrieval.json").read_text()) if (sdir / "retrieval.json").is_file() else {}
         out = {"name": sdir.name, "seq_len": int(self.cfg.pretrain.stages[index].seq_len), "steps": len(rows),
                "loss_first": rows[0]["loss"] if rows else None, "loss_last": rows[-1]["loss"] if rows else None,
                "tokens_per_s": sum(r["num_tokens"] for r in rows) / max(1e-9, sum(r["step_time_s"] for r in rows)),
                "heldout_start": heldout.get("start"), "heldout_end": heldout.get("end"),
+               "retrieval_start": summary(retrieval["start"]) if "start" in retrieval else None,
+               "retrieval_end": summary(retrieval["end"]) if "end" in retrieval else None,
                "train_seconds": sum(r["step_time_s"] for r in rows),
                "wall_seconds": (rows[-1]["time"] - rows[0]["time"] + rows[0]["step_time_s"]) if rows else 0.0}
         if grid is not None and (grid / "results.json").is_file():

@@ -116,3 +116,65 @@ def test_tiny_k3_through_the_learner_equals_its_plain_forward(k3_dir, tokenizer)
             n = p.answer_tokens
             plain = logp[-n - 1:-1].gather(1, ids[0, -n:, None]).sum().item()
             assert task[key] == pytest.approx(plain, abs=1e-9)
+
+
+def test_climb_reports_the_score_at_each_stage_start_and_end(tmp_path, monkeypatch, capsys):
+    """`k3rl pretrain` with `pretrain.retrieval_score.enabled`: a one-step stage writes the score at its start and
+    end to `retrieval.json`, logs it as scalars in those steps' metrics rows, prints the table and keeps it in
+    `summary.json`."""
+    import json
+    from pathlib import Path
+
+    from k3rl.envs.sources import wiki_records
+    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.metrics import read_metrics
+    from k3rl.rl.pretrain.climb import Climb
+
+    repo = Path(__file__).parents[2]
+    monkeypatch.setenv("K3RL_DATA", str(tmp_path / "data"))
+    corpus = tmp_path / "short.jsonl"
+    corpus.write_text("".join(json.dumps({"text": r["extract"]}) + "\n" for r in wiki_records()[:300]))
+    path = tmp_path / "climb.yaml"
+    path.write_text(
+        f"base: {repo / 'configs/model/tiny.yaml'}\n"
+        f"run: {{name: rs, output_dir: {tmp_path / 'runs'}}}\n"
+        "model: {num_hidden_layers: 4, max_position_embeddings: 4096, linear_attn_config: {kda_layers: [1, 2, 3], "
+        "full_attn_layers: [4]}}\n"
+        "learner: {micro_batch_tokens: 4096}\n"
+        "pretrain:\n"
+        f"  sources: {{short: {{path: {corpus}}}}}\n"
+        "  heldout_docs: 0\n  eval_grid: false\n"
+        "  retrieval_score: {enabled: true, num_tasks: 2, lengths: [1024, 2048], options: {source: wiki}}\n"
+        "  stages:\n"
+        "    - {seq_len: 1024, tokens: 1024, batch_tokens: 1024, learner: {lr: 1.0e-3, lr_scheduler: constant}}\n")
+    Climb(load_config(path, [], JobConfig)).run()
+    sdir = tmp_path / "runs/rs/stage1-1K"
+    saved = json.loads((sdir / "retrieval.json").read_text())
+    assert set(saved) == {"start", "end"} and saved["end"]["step"] == 1
+    assert list(saved["end"]["families"]["needle"]) == ["1024"]  # 2048 is past the stage's length
+    row = saved["end"]["families"]["needle"]["1024"]
+    assert row["n"] == 2 and len(row["tasks"]) == 2
+    rows = {r["step"]: r for r in read_metrics(sdir)}
+    assert rows[0]["retrieval/needle/1024/gain"] == pytest.approx(saved["start"]["families"]["needle"]["1024"]["gain"])
+    assert rows[1]["retrieval/needle/1024/with"] == pytest.approx(row["logp_with"])
+    summary = json.loads((tmp_path / "runs/rs/summary.json").read_text())
+    assert summary[0]["retrieval_end"]["families"]["needle"]["1024"]["wins"] == row["wins"]
+    assert "tasks" not in summary[0]["retrieval_end"]["families"]["needle"]["1024"]
+    assert "stage1-1K retrieval at step 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override, message", [
+    ("pretrain.retrieval_score.families=[needel]", "pretrain.retrieval_score.families: ['needel']"),
+    ("pretrain.retrieval_score.options={lenght: 3}", "pretrain.retrieval_score.options: "),
+    ("pretrain.retrieval_score.options={ask: size}", "pretrain.retrieval_score.options: needle options"),
+])
+def test_bad_settings_are_named_before_work(override, message):
+    from pathlib import Path
+
+    from k3rl.rl.config import ConfigError, PretrainJob, load_config
+    from k3rl.rl.pretrain.retrieval_score import check_settings
+
+    cfg = load_config(Path(__file__).parents[2] / "configs/pretrain/cpu.yaml",
+                      ["pretrain.retrieval_score.enabled=true", override], PretrainJob)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_settings(cfg)

@@ -22,7 +22,7 @@ per MoE layer, the step's data digest; the held-out loss by position in step 0's
 `loss.png`, `heldout.json` (loss by position at the stage's start and end), `retrieval.json` (the retrieval score
 at its start and end, when `pretrain.retrieval_score.enabled`), `final/` (the
 stage's model: an HF directory with tokenizer and optimizer state), `eval/` (the retrieval grid). At the top:
-`position_loss.png`, `score_by_length.png` and `summary.json`.
+`position_loss.png`, `score_by_length.png`, `retrieval_gain.png` (with the retrieval score) and `summary.json`.
 
 Crash safety: starting the same command again continues the climb — finished stages are kept, the current stage
 resumes from its newest complete checkpoint at the same step with the same rows (the data order is a function of
@@ -381,7 +381,7 @@ class Climb:
 
     def _report(self, sdir: Path) -> None:
         from k3rl.rl.metrics import null_nonfinite
-        from k3rl.rl.pretrain.climb_report import plot_position_loss, plot_score_by_length
+        from k3rl.rl.pretrain.climb_report import plot_position_loss, plot_retrieval_gain, plot_score_by_length
 
         # an all-error grid cell scores NaN in memory (the plots skip it) and null in the file
         (self.run_dir / "summary.json").write_text(json.dumps(null_nonfinite(self.summary), indent=1,
@@ -389,6 +389,7 @@ class Climb:
         plot_score_by_length(self.summary[-1:], sdir / "score_by_length.png")
         plot_position_loss(self.summary, self.run_dir / "position_loss.png")
         plot_score_by_length(self.summary, self.run_dir / "score_by_length.png")
+        plot_retrieval_gain(self.summary, self.run_dir / "retrieval_gain.png")
 
     def _write_plan(self) -> None:
         """`--plan`'s table for this run, beside its results (what was predicted vs what was measured)."""

@@ -8,6 +8,9 @@
 * `plot_position_loss`: loss by position bucket at each stage's start and end, all stages (`position_loss.png`).
 * `plot_score_by_length`: the retrieval grid's success by length after each stage (`score_by_length.png`, from
   each stage's `eval/results.json`, rl/eval/grid.py).
+* `plot_retrieval_gain`: the likelihood score's gain (log p of the answer with the evidence minus without,
+  rl/pretrain/retrieval_score.py) by length at the end of each stage, with its 95% interval (`retrieval_gain.png`):
+  a climb that learns to retrieve shows it here before the grid's chat-format success moves.
 """
 
 from __future__ import annotations
@@ -168,5 +171,29 @@ def plot_score_by_length(stages: Sequence[dict], path: Path) -> Optional[Path]:
                  "retrieval after each stage of the climb")
 
 
-__all__ = ["bucket_edges", "bucket_name", "grid_scores", "plot_position_loss", "plot_score_by_length",
-           "plot_stage_loss", "position_loss"]
+def plot_retrieval_gain(stages: Sequence[dict], path: Path) -> Optional[Path]:
+    """Gain in log p(gold answer) from the evidence passages by length, at the end of each stage (one line per stage
+    and family, the 95% interval as error bars; a dotted line at 0: a model that does not read the context)."""
+    stages = [s for s in stages if s.get("retrieval_end")]
+    if not stages:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(stages)))
+    markers = "osd^v<>"
+    for stage, color in zip(stages, colors):
+        for j, (family, rows) in enumerate(sorted(stage["retrieval_end"]["families"].items())):
+            points = sorted((int(n), r) for n, r in rows.items() if r.get("gain") is not None)
+            gain = np.array([r["gain"] for _, r in points], dtype=float)
+            low = np.array([np.nan if r.get("gain_low") is None else r["gain_low"] for _, r in points], dtype=float)
+            high = np.array([np.nan if r.get("gain_high") is None else r["gain_high"] for _, r in points], dtype=float)
+            ax.errorbar([n for n, _ in points], gain, yerr=[np.nan_to_num(gain - low), np.nan_to_num(high - gain)],
+                        marker=markers[j % len(markers)], color=color, capsize=3, label=f"{stage['name']}: {family}")
+    ax.axhline(0.0, color="gray", linestyle=":", linewidth=1)
+    return _save(plt, fig, ax, path, "context length (tokens of the in-context prompt)",
+                 "log p(answer): with − without evidence (nats)",
+                 "retrieval for base models: what the evidence adds, after each stage")
+
+
+__all__ = ["bucket_edges", "bucket_name", "grid_scores", "plot_position_loss", "plot_retrieval_gain",
+           "plot_score_by_length", "plot_stage_loss", "position_loss"]

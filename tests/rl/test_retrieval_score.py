@@ -121,7 +121,7 @@ def test_tiny_k3_through_the_learner_equals_its_plain_forward(k3_dir, tokenizer)
 def test_climb_reports_the_score_at_each_stage_start_and_end(tmp_path, monkeypatch, capsys):
     """`k3rl pretrain` with `pretrain.retrieval_score.enabled`: a one-step stage writes the score at its start and
     end to `retrieval.json`, logs it as scalars in those steps' metrics rows, prints the table and keeps it in
-    `summary.json`."""
+    `summary.json` and its plot."""
     import json
     from pathlib import Path
 
@@ -161,6 +161,7 @@ def test_climb_reports_the_score_at_each_stage_start_and_end(tmp_path, monkeypat
     assert summary[0]["retrieval_end"]["families"]["needle"]["1024"]["wins"] == row["wins"]
     assert "tasks" not in summary[0]["retrieval_end"]["families"]["needle"]["1024"]
     assert "stage1-1K retrieval at step 1" in capsys.readouterr().out
+    assert (tmp_path / "runs/rs/retrieval_gain.png").is_file()
 
 
 @pytest.mark.parametrize("override, message", [

@@ -17,8 +17,10 @@ segment when a prompt is longer than `learner.segment_tokens`). The greedy first
 
 Tasks are `env.tasks(num_tasks, seed)` of the in-context environment (`envs.make(family, serve="context", length=…)`),
 unanswerable ones off (`unanswerable_rate: 0` unless the options say otherwise; an instance without an evidence
-passage is skipped and counted). A length is the environment's: the most tokens of its in-context (chat) prompt; the
-plain prompt, without the instructions and chat template, is a little shorter — its mean tokens are reported.
+passage is skipped and counted). A length is the environment's: the most tokens of its in-context user message
+(instructions, document, question: envs/longctx/haystack.py `PROMPT_CONTEXT`; `k3rl eval`'s lengths also count the chat
+template and system message); the plain prompt, without the instructions, is a little shorter — its mean tokens are
+reported.
 """
 
 from __future__ import annotations

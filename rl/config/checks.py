@@ -107,8 +107,9 @@ def check_device(cfg: Any) -> None:
 def check_train(cfg: Any) -> None:
     """The trainer's schedule, workers and devices (rl/orchestrator/preflight.py checks the model and environment)."""
     _at_least(cfg, ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.keep_checkpoints"), 1)
-    _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds"),
-              0)
+    _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds",
+                    "eval.grid_every"), 0)
+    _at_least(cfg, ("eval.grid_num_tasks",), 1)
     if str(cfg.run.device).startswith("cuda") and (cfg.learner.num_gpus <= 0 or cfg.rollout.num_gpus <= 0):
         raise ConfigError("run.device=cuda: set learner.num_gpus and rollout.num_gpus (> 0; fractions share "
                           "a GPU) so that Ray gives the actors a GPU")

@@ -221,3 +221,10 @@ class EvalConfig:
     heatmaps."""
     effective_ratio: float = 0.85
     """Effective length = the longest length whose success is ≥ this × the success at the shortest length."""
+    grid_every: int = 0
+    """`k3rl train`: run this grid (`families` × `serve` × `context_lengths`, `grid_num_tasks` per cell) on the policy
+    every this many steps, also before the first (with `baselines`) and after the last, through `k3rl eval`'s own
+    path; scalars `eval_grid/<family>/<serve>/<length>/success`, outputs and a heatmap by step under
+    `<run_dir>/eval_grid/` (rl/orchestrator/eval_grid.py). 0: never."""
+    grid_num_tasks: Optional[int] = None
+    """`k3rl train`: tasks per cell of the grid of `grid_every` (null: `num_tasks`)."""

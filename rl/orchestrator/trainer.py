@@ -14,7 +14,8 @@ what comes back; the pool, rl/orchestrator/rollout_pool.py, owns the actors):
    step on a non-finite loss or gradient);
 3. push the new weights to every engine with the version number;
 4. evaluate every `eval.every` steps (also before the first and after the last) on held-out
-   tasks, at `eval.temperature`, and report the success rate with a 95% Wilson interval;
+   tasks, at `eval.temperature`, and report the success rate with a 95% Wilson interval; run `k3rl eval`'s
+   retrieval grid on the policy every `eval.grid_every` steps (rl/orchestrator/eval_grid.py: `eval_grid/*`);
 5. log (console, TensorBoard, metrics.jsonl), then checkpoint every `rl.save_every` steps (and
    after the last).
 
@@ -117,6 +118,7 @@ from k3rl.rl.orchestrator import checkpointing
 from k3rl.rl.orchestrator.buffer import Taken
 from k3rl.rl.orchestrator.cluster import init_ray
 from k3rl.rl.orchestrator.collector import Collector
+from k3rl.rl.orchestrator.eval_grid import EvalGrid
 from k3rl.rl.orchestrator.pool_runner import PoolRunner
 from k3rl.rl.orchestrator.preflight import check_job, check_resources
 from k3rl.rl.orchestrator.rollout_pool import RolloutPool
@@ -170,6 +172,8 @@ class Trainer:
         """The reward component whose value ≥ 1 is a success (None: reward ≥ 1), rl/eval/evaluate.py."""
         tasks = job_tasks(cfg, env)
         self.train_tasks, self.eval_tasks = tasks.train, tasks.held_out
+        # `k3rl eval`'s grid every eval.grid_every steps (None: off); held-out and grid tasks checked disjoint
+        self.grid, task_notes = EvalGrid.for_job(cfg, self.run_dir, tasks)
         self.max_staleness = rl.max_staleness if rl.mode == "async" else 0
         self.spec = WorkerSpec(
             model_dir=str(rl.model_path), env=en.name, engine=str(ro.engine), env_kwargs=self.env_args,
@@ -225,7 +229,7 @@ class Trainer:
         except BaseException:
             self.close()
             raise
-        self._print_notes(resume_notes, tasks)
+        self._print_notes(resume_notes + task_notes, tasks)
 
     def _print_notes(self, resume_notes: list[str], tasks: Any) -> None:
         """What the run starts from: skipped checkpoints, the resume point, held-out tasks dropped, bad task rows."""
@@ -258,8 +262,11 @@ class Trainer:
     def train(self) -> Path:
         """Run the remaining steps; write the plots; release the actors. Returns the run directory."""
         try:
-            if self.step == 0 and self.resumed_from is None and self.cfg.eval.every > 0 and self.eval_tasks:
-                self.logger.log(0, self._evaluate())
+            if self.step == 0 and self.resumed_from is None:
+                first = self._evaluate() if self.cfg.eval.every > 0 and self.eval_tasks else {}
+                first.update(self._eval_grid())
+                if first:
+                    self.logger.log(0, first)
             while self.step < self.rl.steps:
                 self._train_step()
             plot(self.run_dir)
@@ -296,6 +303,7 @@ class Trainer:
         last = self.step == rl.steps
         if self.eval_tasks and self.cfg.eval.every > 0 and (self.step % self.cfg.eval.every == 0 or last):
             scalars.update(self._evaluate())
+        scalars.update(self._eval_grid())
         extra = {k: v for k, v in learner_metrics.items() if isinstance(v, str) and v}
         extra["batch"] = [[g.group_id, len(g), g.min_version] for g in taken.groups]
         if taken.dropped:
@@ -312,6 +320,12 @@ class Trainer:
         results = PoolRunner(self.collector, self.step).play(self.eval_tasks)
         write_eval_episodes(self.run_dir, self.step, results, self._tokenizer())
         return score(results, self.success_key).metrics("eval/")
+
+    def _eval_grid(self) -> dict[str, float]:
+        """`k3rl eval`'s grid on the policy when `eval.grid_every` says so (rl/orchestrator/eval_grid.py)."""
+        if self.grid is None or not self.grid.due(self.step, self.step == self.rl.steps):
+            return {}
+        return self.grid.run(self.step, self.learner, self.logger)
 
     def _tokenizer(self) -> Any:
         """The policy's tokenizer (for the held-out transcripts), loaded on first use."""

@@ -43,11 +43,13 @@ def task_identity(task: Any) -> str:
     """What makes two tasks the same question: family and seed of a generated long-context task (its length,
     serving and source only change the haystack), the id of a `file` task, else the content (rl/orchestrator/tasks.py
     `task_key`)."""
-    if isinstance(task, dict) and "family" in task:
-        if "id" in task and "seed" in task and task["family"] == "file":
-            return f"file task {task['id']}"
-        if "seed" in task and "id" not in task:
+    from k3rl.envs.longctx.taskfile import FILE_FAMILY
+
+    if isinstance(task, dict) and "family" in task and "seed" in task:
+        if task["family"] != FILE_FAMILY:
             return f"{task['family']} seed {task['seed']}"
+        if "id" in task:
+            return f"{FILE_FAMILY} task {task['id']}"
     return task_key(task)
 
 

@@ -122,6 +122,8 @@ def test_task_identity_is_family_and_seed_or_file_id_or_content():
     assert task_identity({"family": "file", "id": "q1", "seed": 1}) == task_identity({"family": "file", "id": "q1",
                                                                                      "seed": 2})
     assert task_identity({"id": "a", "question": "x"}) == task_identity({"id": "b", "question": "x"})
+    # a task file's row of a generated family is that family's task, whatever id the file gives it
+    assert task_identity({"family": "needle", "seed": 5, "id": "row-3"}) == task_identity({"family": "needle", "seed": 5})
     check_disjoint([{"family": "needle", "seed": 5}], [{"family": "needle", "seed": 6}], "held-out tasks", "eval.seed")
     with pytest.raises(Exception, match=r"^eval.seed: 1 of the held-out tasks are training tasks \(needle seed 5\)"):
         check_disjoint([{"family": "needle", "seed": 5}], [{"family": "needle", "seed": 5, "length": 2048}],

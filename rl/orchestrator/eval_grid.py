@@ -142,10 +142,7 @@ class EvalGrid:
 
         from k3rl.rl.eval.grid import eval_model_grid
 
-        # a directory at or past this step is from an attempt a crash ended (the run resumed before it)
-        for s, path in self.steps():
-            if s >= step:
-                shutil.rmtree(path)
+        self.forget_after(step - 1)
         out = self.step_dir(step)
         out.mkdir(parents=True)
         model = Path(self.cfg.rl.model_path) if step == 0 else out / "model"
@@ -161,8 +158,12 @@ class EvalGrid:
         heatmap_by_step(self.root, self.root / "heatmap.png")
         return scalars(json.loads((out / "results.json").read_text()))
 
-    def steps(self) -> list[tuple[int, Path]]:
-        return grid_steps(self.root)
+    def forget_after(self, step: int) -> None:
+        """Remove the grids of the steps after `step`: an attempt a crash ended left them, and the run resumed from
+        a checkpoint before them trains those steps again."""
+        for s, path in grid_steps(self.root):
+            if s > step:
+                shutil.rmtree(path)
 
 
 def grid_steps(root: Path) -> list[tuple[int, Path]]:

@@ -217,6 +217,8 @@ class Trainer:
                                         num_gpus_per_rank=ln.num_gpus)
             if latest is not None:
                 self.step, self.version = checkpointing.restore(latest, self.learner, self.collector)
+                if self.grid is not None:
+                    self.grid.forget_after(self.step)
                 self.restored_trajectories = self.buffer.num_trajectories
             self.pool.start()
             if self.version > 0:

@@ -155,3 +155,31 @@ def test_grid_tasks_are_disjoint_from_training_and_an_overlap_is_refused(k3_dir,
     with pytest.raises(ConfigError, match=r"^eval.context_lengths: cannot build needle/context/512 task 0"):
         Trainer(job(tmp_path, k3_dir, "short", "eval.context_lengths=[512,1024]"))
     assert ray.is_initialized() == was and not (tmp_path / "runs" / "short").exists()
+
+
+def test_success_by_step_and_its_heatmap_from_results_files(tmp_path):
+    """The table the heatmap draws: steps in order, a cell no task of which ran (success null) and a length a grid
+    did not have are None; the grids after a resume point are forgotten."""
+    from k3rl.rl.orchestrator.eval_grid import EvalGrid, heatmap_by_step
+
+    def cell(runner, serve, length, success):
+        return {"runner": runner, "family": "needle", "serve": serve, "length": length, "success": success}
+
+    grids = {0: [cell("model", "context", 1024, 0.5), cell("oracle", "context", 1024, 1.0),
+                 cell("model", "search", 1024, 0.25)],
+             10: [cell("model", "context", 1024, 0.75), cell("model", "context", 2048, None),
+                  cell("model", "search", 1024, 1.0)],
+             20: [cell("model", "context", 1024, 0.0)]}
+    root = tmp_path / "eval_grid"
+    for step, cells in grids.items():
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        (root / f"step_{step:06d}" / "results.json").write_text(json.dumps({"cells": cells}))
+    (root / "step_000030").mkdir()  # a grid that never finished: no results.json
+    table = success_by_step(root)
+    assert table[("needle", "context")] == ([0, 10, 20], [1024, 2048], [[0.5, None], [0.75, None], [0.0, None]])
+    assert table[("needle", "search")] == ([0, 10], [1024], [[0.25], [1.0]])
+    assert heatmap_by_step(root, tmp_path / "h.png") == tmp_path / "h.png"
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    assert heatmap_by_step(tmp_path / "none", tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
+    EvalGrid(job(tmp_path, tmp_path / "model", "resumed"), tmp_path).forget_after(10)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000000", "step_000010"]

@@ -1,0 +1,104 @@
+"""Retrieval-rich plain text: the long-context families as documents a base model reads and answers, with no chat.
+
+A model learns to retrieve in context from many questions answered against one haystack, long before it can call
+a tool. Two uses share the format here:
+
+* ``plain_prompt`` / ``plain_answer``: one instance as "document, question, ``Answer:``" and its gold continuation —
+  what the likelihood score of a pretrained model (rl/pretrain/retrieval_score.py) measures;
+* ``practice_document``: ``questions`` instances of a family merged into one haystack (their facts inserted into the
+  same real passages), followed by every question with its answer — pretraining text
+  (``write_practice_corpus``: a JSONL source for ``k3rl pretrain``) whose loss on each answer is a retrieval.
+
+A question the merged facts make ambiguous (the family's own solver, reading the facts first to last and last to
+first, finds different answers, or not the gold one) is left out. Documents are deterministic in (family, seed, length,
+source, options); ``seed`` streams are disjoint from the task seeds of the environments (``tasks(n, seed)`` draws
+from ``random.Random("tasks:…")``, this module from ``random.Random("practice:…")``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from k3rl.envs.base import approx_token_count
+from k3rl.envs.longctx.families import DEFAULTS, GENERATORS, SOLVERS
+from k3rl.envs.longctx.haystack import _insert, haystack_pool, pool_words
+from k3rl.envs.longctx.names import Names
+from k3rl.envs.longctx.task import Instance
+
+PLAIN_DOCUMENT = "<document>\n{document}\n</document>\n"
+PLAIN_QA = "\nQuestion: {question}\nAnswer:"
+
+
+def plain_document(passages: list[tuple[str, str]]) -> str:
+    return PLAIN_DOCUMENT.format(document="\n".join(f"[{pid}] {text}" for pid, text in passages))
+
+
+def plain_prompt(instance: Instance, passages: list[tuple[str, str]] | None = None) -> str:
+    """The instance as a base model reads it (its haystack, or ``passages`` instead), ending in ``Answer:``."""
+    return plain_document(instance.passages if passages is None else passages) + PLAIN_QA.format(question=instance.question)
+
+
+def plain_answer(answer: str) -> str:
+    """The gold continuation of ``plain_prompt``."""
+    return f" {answer}\n"
+
+
+def _solve(family: str, question: str, passages: list[tuple[str, str]]) -> str:
+    """The family solver's answer when every search returns all ``passages``."""
+    solver = SOLVERS[family](question)
+    try:
+        next(solver)
+        while True:
+            solver.send(passages)
+    except StopIteration as stop:
+        return stop.value[0]
+
+
+def practice_document(family: str, seed: int, length: int, questions: int = 8, source: str = "wiki",
+                      **options: Any) -> str:
+    """About ``length`` tokens (byte estimate) of real passages holding the facts of ``questions`` instances of
+    ``family``, then their questions and answers (ambiguous ones dropped)."""
+    rng = random.Random(f"practice:{family}:{seed}:{length}")
+    opt = {**DEFAULTS, **options, "unanswerable_rate": 0.0}
+    specs = [GENERATORS[family](rng, Names(rng, pool_words(source)), opt) for _ in range(questions)]
+    pool = haystack_pool(source)
+    start, passages, total = rng.randrange(len(pool)), [], 0
+    while total < length - sum(approx_token_count(f.text) for s in specs for f in s.facts) - 24 * questions:
+        text = pool[(start + len(passages)) % len(pool)]
+        passages.append(text)
+        total += approx_token_count(text) + 3
+    passages = passages or [pool[start]]
+    for spec in specs:
+        for fact in spec.facts:
+            slot = rng.randrange(len(passages))
+            passages[slot] = _insert(rng, passages[slot], fact.text)
+    merged = [(f"p{i:05d}", text) for i, text in enumerate(passages)]
+    # one fact per passage, forwards and backwards: a question two facts answer differently is ambiguous
+    alone = [(f"f{i}", f.text) for i, f in enumerate(f for s in specs for f in s.facts)]
+    qa = [(s.question, s.answers[0]) for s in specs
+          if _solve(family, s.question, alone) == _solve(family, s.question, alone[::-1]) == s.answers[0]]
+    return plain_document(merged) + "".join(PLAIN_QA.format(question=q) + plain_answer(a) for q, a in qa)
+
+
+def practice_documents(family: str, n: int, length: int, seed: int = 0, **kwargs: Any) -> Iterator[str]:
+    for i in range(n):
+        yield practice_document(family, seed * 1_000_003 + i, length, **kwargs)
+
+
+def write_practice_corpus(path: str | Path, families: dict[str, int], length: int, seed: int = 0,
+                          **kwargs: Any) -> Path:
+    """A JSONL pretraining source (``{"text": …}`` per line): ``families[name]`` documents of each family,
+    interleaved; written atomically (a reader never sees half a file)."""
+    from k3rl.util.atomic import write_text_atomic
+
+    streams = [practice_documents(f, n, length, seed, **kwargs) for f, n in families.items()]
+    lines = []
+    for group in zip(*streams, strict=False):
+        lines.extend(json.dumps({"text": doc}) for doc in group)
+    path = Path(path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    return path

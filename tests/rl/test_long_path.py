@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3rl.model import mla
 from k3rl.model.policy import load_policy
 from k3rl.rl.config.loader import load_model_config
 from k3rl.rl.train.learner import Learner, LearnerConfig
@@ -55,6 +56,20 @@ def _recipe_dir(tmp_path_factory, mode: str) -> Path:
 @pytest.fixture(scope="module", params=["nope", "rope"])
 def recipe_dir(request, tmp_path_factory):
     return _recipe_dir(tmp_path_factory, request.param)
+
+
+@pytest.fixture(params=["expanded", "blocked"])
+def attention(request, monkeypatch):
+    """MLA's path for a cached step (model/mla.py): the recipe's segments of thousands of tokens over a long cache
+    attend block by block; these short ones do too with a small score budget (2–6 queries per block)."""
+    if request.param == "blocked":
+        monkeypatch.setattr(mla, "SCORE_BUDGET", 40_000)
+    calls = []
+    real = mla.MultiheadLatentAttention._attend_blocked
+    monkeypatch.setattr(mla.MultiheadLatentAttention, "_attend_blocked",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    yield request.param
+    assert bool(calls) == (request.param == "blocked")
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +152,11 @@ def recipe_batch(seed, routing_shape):
     puts its last position, the first loss row, at 384 = 3 × SEG: the prompt/response boundary is a segment
     boundary, whole and shared. Group `b`'s 301-token prompt does not. Suffix segments (after the shared prompt)
     cut at 128: inside a2's second reply, at a3's tool/reply boundary (its last tool position predicts the reply's
-    first token), inside b2's tool reply; b1 has one short reply."""
+    first token), inside b2's tool reply; b1's one reply is a single token (its suffix: one position)."""
     rng = np.random.default_rng(seed)
     pa, pb = rng.integers(3, V, 385), rng.integers(3, V, 301)
     a = [((0, 40),), ((0, 64),), ((0, 48), (64, 40)), ((0, 20), (107, 33))]
-    b = [((0, 64), (45, 12)), ((0, 9),), ((0, 60), (80, 64)), ((0, 30), (20, 30))]
+    b = [((0, 64), (45, 12)), ((0, 1),), ((0, 60), (80, 64)), ((0, 30), (20, 30))]
     rewards = [1.0, 0.0, 0.0, 1.0]
     return ([episode(rng, pa, t, "a", r, routing_shape) for t, r in zip(a, rewards)]
             + [episode(rng, pb, t, "b", r, routing_shape) for t, r in zip(b, rewards[::-1])])
@@ -161,14 +176,21 @@ def assert_grads_close(got, ref, rtol=1e-9):
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=rtol * scale, msg=name)
 
 
-def test_long_path_equals_plain_on_recipe_trajectories(recipe_dir):
+@pytest.fixture(scope="module")
+def plain_step(recipe_dir):
+    """The recipe batch and its plain step (each trajectory whole, nothing shared; no cache, so MLA attends
+    expanded), shared by both attention paths of the long one."""
+    plain = make_learner(recipe_dir, None, False, kl_coef=0.05)
+    batch = recipe_batch(0, plain.routing_shape)
+    return batch, train_step(plain, batch)
+
+
+def test_long_path_equals_plain_on_recipe_trajectories(recipe_dir, plain_step, attention):
     """Segments + prefix sharing + routing replay + the KL reference (the recipe's `kl_coef`): log π and log π_ref
     of every model token, the loss, its metrics and every parameter's gradient equal the plain path's (each
     trajectory whole, nothing shared)."""
-    plain = make_learner(recipe_dir, None, False, kl_coef=0.05)
-    long = make_learner(recipe_dir, SEG, True, kl_coef=0.05)
-    batch = recipe_batch(0, plain.routing_shape)
-    ref, got = train_step(plain, batch), train_step(long, batch)
+    batch, ref = plain_step
+    got = train_step(make_learner(recipe_dir, SEG, True, kl_coef=0.05), batch)
     assert all(u.prefix is None and u.length < 1000 for u in ref["units"])
     assert [(u.prefix_len, u.mb.num_seqs) for u in got["units"]] == [(384, 4), (300, 4)]
     assert max(u.length for u in got["units"]) > 3 * SEG
@@ -183,14 +205,16 @@ def test_long_path_equals_plain_on_recipe_trajectories(recipe_dir):
     assert_grads_close(got["grads"], ref["grads"])
 
 
-def plain_logprobs(model, tokens: np.ndarray) -> torch.Tensor:
-    """log π of tokens[1:] from one full forward of the whole sequence (full logits, no cache): [N − 1]."""
+def plain_logprobs(model, tokens: np.ndarray, routed=None) -> torch.Tensor:
+    """log π of tokens[1:] from one full forward of the whole sequence (full logits, no cache), replaying `routed`
+    [N, L, k] (-1: route) when given: [N − 1]."""
     ids = torch.as_tensor(tokens, dtype=torch.long)[None]
-    logp = model(ids).logits[0, :-1].double().log_softmax(-1)  # [N − 1, V]
+    replay = None if routed is None else torch.as_tensor(np.asarray(routed, dtype=np.int64))[None]
+    logp = model(ids, routed_expert_ids=replay).logits[0, :-1].double().log_softmax(-1)  # [N − 1, V]
     return logp.gather(-1, ids[0, 1:, None])[:, 0]
 
 
-def test_engine_logprobs_with_state_reuse_equal_a_full_forward(recipe_dir):
+def test_engine_logprobs_with_state_reuse_equal_a_full_forward(recipe_dir, attention):
     """The engine's per-token log-probs, recorded while it samples two turns: two prompts of different lengths in
     one call (left-padded), prefilled in segments of 48, 2 samples each; each sample's second turn prefills only its
     tool reply (itself longer than a segment) on its kept state. They equal one full forward of the final tokens
@@ -282,3 +306,70 @@ def test_two_versions_in_one_trajectory_weigh_each_token_by_its_own_behaviour(no
     assert m["tis_weight"] == pytest.approx(w.mean(), rel=1e-9)
     assert m["tis_capped_frac"] == pytest.approx((20 + 12) / len(w), rel=1e-12)
     assert_grads_close(step["grads"], hand)
+
+
+def test_partial_rollout_of_the_needle_task_through_the_worker(k3_dir, monkeypatch):
+    """The recipe's rollout path end to end: the quickstart's tiny K3 (`k3_dir`, float64) plays the needle task
+    served in context (a ~600-token haystack) in groups of 4 through `RolloutWorker.collect_partial`, one turn per
+    call (`rollout.partial_rounds: 1`): turn 1 prefilled in segments of 64, turn 2 continuing each episode's kept
+    state, then new weights (version 1) and turn 3 (the context prefilled again under them: `reprefill`). Each
+    token's behaviour log-prob μ is that of the version it carries, from a full forward of the final tokens (to
+    float32, its storage). The learner (version 1's weights, segments + shared prompts) gives log π of every token
+    under the routing the rollout recorded (version 0's on version 0's tokens) and weighs each token by
+    min(π/μ, C) with its own μ, by hand.
+
+    Not asserted: that version 1's tokens get IS weight 1. They do without routing replay (to float32), but the
+    replayed version-0 routing of the earlier turns' tokens is not the routing version 1's re-prefill gave them
+    when it sampled turn 3, so π/μ on turn 3 is off by up to ~1% here (weights moved by 0.02 σ; ~1e-3 at 2e-4)."""
+    from k3rl.envs import make
+    from k3rl.envs.base import Budget
+    from k3rl.envs.tools import ParseError
+    from k3rl.rollout.worker import RolloutWorker, WorkerSpec
+
+    # no call parses: every turn ends in an error observation, and every episode runs its three turns
+    monkeypatch.setattr("k3rl.envs.tools.parse", lambda text: ParseError("bad_shape", "no call in this turn"))
+    needle = dict(serve="context", source="wiki", length=600, ask="colour", distractors=0)
+    worker = RolloutWorker(WorkerSpec(model_dir=str(k3_dir), env="needle", env_kwargs=needle,
+                                      sampling=SamplingParams(max_tokens=12), max_context_tokens=2048,
+                                      budget=Budget(max_turns=3),
+                                      engine_kwargs={"dtype": torch.float64, "prefill_tokens": 64}))
+    tasks = [(f"t{i}", task) for i, task in enumerate(make("needle", **needle).tasks(2, seed=3))]
+    stats = worker.engine.stats
+    for _ in range(2):
+        assert worker.collect_partial(tasks, 4, "p/", max_rounds=1).trajectories == []
+        tasks = []
+    assert (stats.full_prompts, stats.resumed_prompts) == (2, 8)  # each prompt prefilled once; turn 2 resumed
+    g = torch.Generator().manual_seed(0)
+    worker.load_weights([(k, v.detach() + 0.02 * torch.randn(v.shape, generator=g, dtype=v.dtype))
+                         for k, v in worker.engine.model.named_parameters()], 1)
+    trajectories = worker.collect_partial([], 4, "p/", max_rounds=1).trajectories
+    assert len(trajectories) == 8 and stats.full_prompts == 2 + 8
+
+    v0 = load_policy(k3_dir, torch.float64).model
+    learner = make_learner(k3_dir, SEG, True)
+    learner.model.load_state_dict(worker.engine.model.state_dict())
+    expected, behaviour, versions = [], [], []
+    with torch.no_grad():
+        for t in trajectories:
+            assert [sorted(set(t.versions[s:e].tolist())) for s, e in t.turn_spans] == [[0], [0], [1]]
+            rows = np.flatnonzero(t.loss_mask)
+            lp = {0: plain_logprobs(v0, t.tokens).numpy()[rows - 1],
+                  1: plain_logprobs(learner.model, t.tokens).numpy()[rows - 1]}
+            own = np.where(t.versions[rows] == 0, lp[0], lp[1])
+            np.testing.assert_allclose(t.logprobs[rows], own, rtol=2.0**-24 * (1 + 1e-6), atol=0)
+            # the learner replays the routing the rollout recorded: version 0's on version 0's tokens
+            expected.append(plain_logprobs(learner.model, t.tokens, t.routed_experts).numpy()[rows - 1])
+            behaviour.append(t.logprobs[rows].astype(np.float64))
+            versions.append(t.versions[rows])
+
+    step = train_step(learner, trajectories)
+    assert sorted(u.prefix_len for u in step["units"]) == sorted({t.prompt_len - 1 for t in trajectories})
+    assert_rows_close(step["logprobs"], expected)
+    d = np.concatenate(expected) - np.concatenate(behaviour)  # log π/μ per token
+    old = np.concatenate(versions) == 0
+    w = np.minimum(np.exp(d), 2.0)
+    assert np.abs(w[old] - 1).max() > 1e-2  # version 0's tokens are off-policy for version 1's weights
+    m = step["metrics"]
+    assert m["num_loss_tokens"] == len(d)
+    assert m["tis_weight"] == pytest.approx(w.mean(), rel=1e-9)
+    assert m["mismatch_kl"] == pytest.approx((np.exp(d) - d - 1).mean(), rel=1e-6)

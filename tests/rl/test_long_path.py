@@ -79,9 +79,9 @@ def nope_dir(tmp_path_factory):
     return _recipe_dir(tmp_path_factory, "nope")
 
 
-def make_learner(path, segment_tokens, share_prefix, **algo_args) -> Learner:
+def make_learner(path, segment_tokens, share_prefix, micro_batch_tokens=2048, **algo_args) -> Learner:
     """A float64 GRPO learner without gradient clipping (the gradients are compared before the optimizer step)."""
-    return Learner(LearnerConfig(model_path=str(path), dtype="float64", micro_batch_tokens=2048,
+    return Learner(LearnerConfig(model_path=str(path), dtype="float64", micro_batch_tokens=micro_batch_tokens,
                                  segment_tokens=segment_tokens, share_prefix=share_prefix, max_grad_norm=0.0,
                                  algo="grpo", algo_args=algo_args))
 
@@ -200,6 +200,19 @@ def test_long_path_equals_plain_on_recipe_trajectories(recipe_dir, plain_step, a
     for key in ("loss", "kl_ref", "tis_weight", "tis_capped_frac", "mismatch_kl", "grad_norm", "num_loss_tokens"):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-9, abs=1e-15), key
     assert 0 < ref["metrics"]["tis_capped_frac"] < 0.5  # the IS weights are not all 1 (nor all capped)
+    assert_grads_close(got["grads"], ref["grads"])
+
+
+def test_long_path_with_groups_split_across_micro_batches(recipe_dir, plain_step):
+    """A token budget the groups do not fit in (micro_batch_tokens 700): group `a` shares its prompt in two units of
+    2, group `b` in one of 3 and b2 (the longest) trains whole; still the plain path's numbers."""
+    batch, ref = plain_step
+    got = train_step(make_learner(recipe_dir, SEG, True, micro_batch_tokens=700, kl_coef=0.05), batch)
+    assert [(u.prefix_len, u.mb.num_seqs) for u in got["units"]] == [(384, 2), (384, 2), (300, 3), (0, 1)]
+    assert_rows_close(got["logprobs"], ref["logprobs"])
+    assert_rows_close(got["ref_logprobs"], ref["ref_logprobs"])
+    for key in ("loss", "kl_ref", "tis_weight", "mismatch_kl", "grad_norm"):
+        assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-9, abs=1e-15), key
     assert_grads_close(got["grads"], ref["grads"])
 
 

@@ -59,15 +59,18 @@ def _solve(family: str, question: str, passages: list[tuple[str, str]]) -> str:
 
 
 def practice_document(family: str, seed: int, length: int, questions: int = 8, source: str = "wiki",
-                      **options: Any) -> str:
+                      filler: float = 1.0, **options: Any) -> str:
     """About ``length`` tokens (byte estimate) of real passages holding the facts of ``questions`` instances of
-    ``family``, then their questions and answers (ambiguous ones dropped)."""
+    ``family``, then their questions and answers (ambiguous ones dropped). ``filler`` scales the real text around
+    the facts (1: all the room the facts and questions leave; 0: one passage) — dense documents teach the lookup
+    fast, sparse ones look like the haystacks of the environments."""
     rng = random.Random(f"practice:{family}:{seed}:{length}")
     opt = {**DEFAULTS, **options, "unanswerable_rate": 0.0}
     specs = [GENERATORS[family](rng, Names(rng, pool_words(source)), opt) for _ in range(questions)]
     pool = haystack_pool(source)
     start, passages, total = rng.randrange(len(pool)), [], 0
-    while total < length - sum(approx_token_count(f.text) for s in specs for f in s.facts) - 24 * questions:
+    room = length - sum(approx_token_count(f.text) for s in specs for f in s.facts) - 24 * questions
+    while total < filler * room:
         text = pool[(start + len(passages)) % len(pool)]
         passages.append(text)
         total += approx_token_count(text) + 3

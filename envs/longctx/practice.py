@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,7 @@ def write_practice_corpus(path: str | Path, families: dict[str, int], length: in
     from k3rl.util.atomic import write_text_atomic
 
     streams = [practice_documents(f, n, length, seed, **kwargs) for f, n in families.items()]
-    lines = []
-    for group in zip(*streams, strict=False):
-        lines.extend(json.dumps({"text": doc}) for doc in group)
+    lines = [json.dumps({"text": doc}) for group in zip_longest(*streams) for doc in group if doc is not None]
     path = Path(path)
     write_text_atomic(path, "\n".join(lines) + "\n")
     return path

@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from k3rl.envs.base import approx_token_count
-from k3rl.envs.longctx.families import DEFAULTS, GENERATORS, SOLVERS
+from k3rl.envs.longctx.families import DEFAULTS, GENERATORS
 from k3rl.envs.longctx.haystack import _insert, haystack_pool, pool_words
 from k3rl.envs.longctx.names import Names
+from k3rl.envs.longctx.oracles import solve_in_context
 from k3rl.envs.longctx.task import Instance
 
 PLAIN_DOCUMENT = "<document>\n{document}\n</document>\n"
@@ -50,13 +51,7 @@ def plain_answer(answer: str) -> str:
 
 def _solve(family: str, question: str, passages: list[tuple[str, str]]) -> str:
     """The family solver's answer when every search returns all ``passages``."""
-    solver = SOLVERS[family](question)
-    try:
-        next(solver)
-        while True:
-            solver.send(passages)
-    except StopIteration as stop:
-        return stop.value[0]
+    return solve_in_context(family, question, passages)[0]
 
 
 def practice_document(family: str, seed: int, length: int, questions: int = 8, source: str = "wiki",

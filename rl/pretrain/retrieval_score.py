@@ -98,14 +98,10 @@ def t_quantile(p: float, df: int) -> float:
 
 def paired_interval(diffs: Sequence[float]) -> tuple[float, float, float]:
     """(mean, low, high): the mean of paired differences and its 95% Student-t interval (NaN bounds for n < 2)."""
-    d = np.asarray(diffs, dtype=np.float64)
-    if d.size == 0:
-        return math.nan, math.nan, math.nan
-    mean = float(d.mean())
-    if d.size < 2:
-        return mean, math.nan, math.nan
-    half = t_quantile(0.975, d.size - 1) * float(d.std(ddof=1)) / math.sqrt(d.size)
-    return mean, mean - half, mean + half
+    from k3rl.rl.eval.evaluate import mean_interval
+
+    n = len(diffs)
+    return mean_interval(diffs, z=t_quantile(0.975, n - 1) if n >= 2 else math.nan)
 
 
 def _trajectory(tokens: np.ndarray, answer: int):

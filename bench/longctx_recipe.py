@@ -3,6 +3,7 @@
     python bench/longctx_recipe.py --seed 0                       # one seed, native CPU code path
     python bench/longctx_recipe.py --seed 0 --path generic        # the same on torch's non-vectorised kernels
     python bench/longctx_recipe.py --seed 0 --rl-lengths 2048 4096 --eval-lengths 1024 2048 4096 8192 16384
+    python bench/longctx_recipe.py --seed 0 --sft-set sft.max_steps=1500 sft.batch_size=4 --rl-set rl.steps=40
 
 Stages, each a `k3rl` command on a config of configs/longctx/ (a stage whose output exists is skipped, so the
 same command continues a cut run):
@@ -126,12 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-lengths", type=int, nargs="+", default=None,
                    help="grid lengths (default: configs/longctx/eval.yaml's)")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every command")
+    for stage_name in ("pretrain", "sft", "rl", "eval"):
+        p.add_argument(f"--{stage_name}-set", nargs="+", default=[], metavar="KEY=VALUE",
+                       help=f"dotted overrides of every `{stage_name}` stage's config")
     p.add_argument("--pretrain", action="store_true",
                    help="start with the practice-text pretraining stage (configs/longctx/pretrain.yaml)")
     args = p.parse_args(argv)
     out = (args.out or REPO / "runs" / "longctx-recipe" / f"seed{args.seed}-{args.path}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = {**path_env(args.path), "OMP_NUM_THREADS": str(args.threads)}
+    env = {**path_env(args.path), "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     log = out / "recipe.log"
     seed = args.seed
     common = [f"run.seed={seed}", f"run.output_dir={out}"]
@@ -168,21 +172,22 @@ def main(argv: list[str] | None = None) -> int:
         stage("pretrain", lambda: k3rl(
             ["pretrain", str(CONFIGS / "pretrain.yaml"), *common, "run.name=pretrain",
              f"pretrain.sources.dense.path={out / 'practice-dense.jsonl'}",
-             f"pretrain.sources.sparse.path={out / 'practice-sparse.jsonl'}"], log, env))
+             f"pretrain.sources.sparse.path={out / 'practice-sparse.jsonl'}", *args.pretrain_set], log, env))
         sft_args.append(f"sft.model_dir={sorted((out / 'pretrain').glob('stage*/final'))[-1]}")
-    stage("sft", lambda: k3rl(sft_args, log, env))
+    stage("sft", lambda: k3rl([*sft_args, *args.sft_set], log, env))
     models = {"sft": out / "sft" / "model"}
     previous = models["sft"]
     for length in args.rl_lengths:
         name = f"rl-{length}"
         stage(name, lambda name=name, length=length, previous=previous: k3rl(
             ["train", str(CONFIGS / "rl.yaml"), *common, f"run.name={name}", f"rl.model_path={previous}",
-             f"env.args.length={length}", f"rollout.max_context_tokens={length + 1024}", *grid], log, env))
+             f"env.args.length={length}", f"rollout.max_context_tokens={length + 1024}", *grid, *args.rl_set],
+            log, env))
         previous = models[name] = latest_checkpoint(out / name)
     for name, model in models.items():
         stage(f"eval-{name}", lambda name=name, model=model: k3rl(
-            ["eval", str(CONFIGS / "eval.yaml"), *common, f"run.name=eval-{name}", f"eval.model_path={model}", *grid],
-            log, env))
+            ["eval", str(CONFIGS / "eval.yaml"), *common, f"run.name=eval-{name}", f"eval.model_path={model}", *grid,
+             *args.eval_set], log, env))
     train_ids = set().union(*(training_task_ids(out / f"rl-{n}") for n in args.rl_lengths))
     for name in models:
         shared = grid_task_ids(out / f"eval-{name}") & train_ids

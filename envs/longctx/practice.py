@@ -68,9 +68,12 @@ def practice_document(family: str, seed: int, length: int, questions: int = 8, s
     room = length - sum(approx_token_count(f.text) for s in specs for f in s.facts) - 24 * questions
     while total < filler * room:
         text = pool[(start + len(passages)) % len(pool)]
+        left = filler * room - total
+        if approx_token_count(text) > left:  # the last passage is cut at a word: short documents stay short
+            text = " ".join(text.split()[: max(4, int(left * 0.75))])
         passages.append(text)
         total += approx_token_count(text) + 3
-    passages = passages or [pool[start]]
+    passages = passages or [" ".join(pool[start].split()[:4])]
     for spec in specs:
         for fact in spec.facts:
             slot = rng.randrange(len(passages))

@@ -8,11 +8,11 @@
 Stages, each a `k3rl` command on a config of configs/longctx/ (a stage whose output exists is skipped, so the
 same command continues a cut run):
 
-1. with `--pretrain`: practice — retrieval-rich pretraining text (envs/longctx/practice.py): needle questions
-   answered against real Wikipedia passages, dense (short, little filler) and sparse (haystack-like) documents, from
-   the seed's own `practice:` stream (never an environment's task seed); pretrain — `k3rl pretrain
-   configs/longctx/pretrain.yaml`: the tiny K3 from random weights at 512 then 1K tokens on that text, the likelihood
-   retrieval score (rl/pretrain/retrieval_score.py) at each stage's start and end;
+1. practice — retrieval-rich pretraining text (envs/longctx/practice.py): needle questions answered against real
+   Wikipedia passages in ~100-, ~180- and ~400-token documents, from the seed's own `practice:` stream (never an
+   environment's task seed); pretrain — `k3rl pretrain configs/longctx/pretrain.yaml`: the tiny K3 from random
+   weights through a 128 → 256 → 512 curriculum on that text, the likelihood retrieval score
+   (rl/pretrain/retrieval_score.py) at each stage's start and end (`--no-pretrain`: SFT from random weights);
 2. sft — `k3rl sft configs/longctx/sft.yaml`: the chat format, the `answer` tool and the lookup itself on oracle
    demonstrations of the needle task in context at short length (from random weights, or the pretrained model);
 3. eval-sft — `k3rl eval configs/longctx/eval.yaml` on the warm-started model: the grid before RL;
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage_name in ("pretrain", "sft", "rl", "eval"):
         p.add_argument(f"--{stage_name}-set", nargs="+", default=[], metavar="KEY=VALUE",
                        help=f"dotted overrides of every `{stage_name}` stage's config")
-    p.add_argument("--pretrain", action="store_true",
-                   help="start with the practice-text pretraining stage (configs/longctx/pretrain.yaml)")
+    p.add_argument("--no-pretrain", action="store_true",
+                   help="skip the practice-text curriculum (configs/longctx/pretrain.yaml): SFT from random weights")
     args = p.parse_args(argv)
     out = (args.out or REPO / "runs" / "longctx-recipe" / f"seed{args.seed}-{args.path}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -161,18 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         mark.touch()
 
     sft_args = ["sft", str(CONFIGS / "sft.yaml"), *common, "run.name=sft"]
-    if args.pretrain:
+    if not args.no_pretrain:
         from k3rl.envs.longctx.practice import write_practice_corpus
 
-        practice = {"dense": (300, 4, 0.5, 4000), "sparse": (600, 4, 1.0, 1500)}
-        for i, (kind, (length, questions, filler, n)) in enumerate(practice.items()):
-            stage(f"practice-{kind}", lambda kind=kind, length=length, q=questions, f=filler, n=n, i=i:
-                  write_practice_corpus(out / f"practice-{kind}.jsonl", {"needle": n}, length, seed=2 * seed + i,
-                                        questions=q, filler=f, ask="colour", distractors=0, paraphrase_rate=0.0))
+        # (byte-estimate length, questions, documents): ~100, ~180 and ~400 tokens with the tiny K3's tokenizer
+        practice = {"short": (60, 1, 16000), "medium": (120, 2, 6000), "long": (300, 4, 2000)}
+        for i, (kind, (length, questions, n)) in enumerate(practice.items()):
+            stage(f"practice-{kind}", lambda kind=kind, length=length, q=questions, n=n, i=i:
+                  write_practice_corpus(out / f"practice-{kind}.jsonl", {"needle": n}, length, seed=3 * seed + i,
+                                        questions=q, ask="colour", distractors=0, paraphrase_rate=0.0))
         stage("pretrain", lambda: k3rl(
             ["pretrain", str(CONFIGS / "pretrain.yaml"), *common, "run.name=pretrain",
-             f"pretrain.sources.dense.path={out / 'practice-dense.jsonl'}",
-             f"pretrain.sources.sparse.path={out / 'practice-sparse.jsonl'}", *args.pretrain_set], log, env))
+             *(f"pretrain.sources.{kind}.path={out / f'practice-{kind}.jsonl'}" for kind in practice),
+             *args.pretrain_set], log, env))
         sft_args.append(f"sft.model_dir={sorted((out / 'pretrain').glob('stage*/final'))[-1]}")
     stage("sft", lambda: k3rl([*sft_args, *args.sft_set], log, env))
     models = {"sft": out / "sft" / "model"}

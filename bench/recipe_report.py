@@ -101,6 +101,9 @@ def markdown(result: dict[str, Any], info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BASELINE_STYLE = {"oracle": {"linestyle": ":", "color": "grey"}, "closed_book": {"linestyle": "--", "color": "black"}}
+
+
 def plot(result: dict[str, Any], path: Path) -> Path:
     """Success by length (log axis), one panel per family and serving, a line per model and baseline."""
     import matplotlib
@@ -116,7 +119,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
             ys = [row[n]["success"] for n in xs]
             lo = [row[n]["success"] - row[n]["ci95"][0] for n in xs]
             hi = [row[n]["ci95"][1] - row[n]["success"] for n in xs]
-            style = {"linestyle": ":", "color": "grey"} if name in ("oracle", "closed_book") else {}
+            style = BASELINE_STYLE.get(name, {})
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=name, **style)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.03, 1.03)

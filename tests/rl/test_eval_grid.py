@@ -78,9 +78,8 @@ def test_the_grid_in_training_gives_k3rl_evals_numbers_for_the_same_weights(grid
     assert _cells(grids / "step_000001") == _cells(after)
     assert {r["runner"] for r in _rows(after)} == {"model"} and not (grids / "step_000001" / "model").exists()
     assert len(_rows(after)) == 2 * len(LENGTHS)
-    # what the grid saw changed with the step: it evaluated the trained weights, not the initial ones
-    said = [[r["transcript"] for r in _rows(grids / f"step_{s:06d}") if r["runner"] == "model"] for s in (0, 1)]
-    assert said[0] != said[1]
+    # (the step-1 rows equal k3rl eval's on checkpoint step-000001 above; a random model's greedy text may read the
+    # same after one step, so the transcripts of steps 0 and 1 are not required to differ)
 
 
 def test_the_grid_scalars_land_at_their_steps(grid_run):

@@ -14,7 +14,7 @@ import torch
 from k3rl.rl.pretrain.retrieval_score import answer_tokens, format_table, paired_interval, retrieval_score, scalars, t_quantile, task_pairs
 
 SEED = 1_000_003
-NEEDLE = {"source": "wiki"}
+NEEDLE = {"source": "wiki", "distractors": 0}
 
 
 @pytest.fixture(scope="module")

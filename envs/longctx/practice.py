@@ -60,6 +60,14 @@ def practice_document(family: str, seed: int, length: int, questions: int = 8, s
     ``family``, then their questions and answers (ambiguous ones dropped). ``filler`` scales the real text around
     the facts (1: all the room the facts and questions leave; 0: one passage) — dense documents teach the lookup
     fast, sparse ones look like the haystacks of the environments."""
+    if family not in GENERATORS:
+        raise ValueError(f"practice family {family!r}: choose from {', '.join(GENERATORS)}")
+    if questions < 1 or length < 1 or not 0 <= filler <= 1:
+        raise ValueError(f"practice documents need questions ≥ 1, length ≥ 1 and 0 ≤ filler ≤ 1; got questions="
+                         f"{questions}, length={length}, filler={filler}")
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"practice options {unknown}: not options of any family (valid: {', '.join(sorted(DEFAULTS))})")
     rng = random.Random(f"practice:{family}:{seed}:{length}")
     opt = {**DEFAULTS, **options, "unanswerable_rate": 0.0}
     specs = [GENERATORS[family](rng, Names(rng, pool_words(source)), opt) for _ in range(questions)]
@@ -87,6 +95,7 @@ def practice_document(family: str, seed: int, length: int, questions: int = 8, s
 
 
 def practice_documents(family: str, n: int, length: int, seed: int = 0, **kwargs: Any) -> Iterator[str]:
+    """``n`` practice documents of stream ``seed`` (document i of stream s is seed s·1000003 + i)."""
     for i in range(n):
         yield practice_document(family, seed * 1_000_003 + i, length, **kwargs)
 

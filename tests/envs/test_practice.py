@@ -89,3 +89,10 @@ def test_write_practice_corpus_is_jsonl_of_interleaved_families(tmp_path):
     assert len(rows) == 5 and all(r["text"].startswith("<document>\n") for r in rows)
     assert "colour" in rows[0]["text"] or "registry" in rows[0]["text"]  # needle first, then multihop
     assert not list(tmp_path.glob(".*"))  # written atomically: no temporary file left
+
+
+@pytest.mark.parametrize("bad", [{"family": "needel"}, {"questions": 0}, {"filler": 1.5}, {"lenght": 300}])
+def test_bad_arguments_are_named(bad):
+    kwargs = {"family": "needle", "seed": 0, "length": 300, **bad}
+    with pytest.raises(ValueError, match=next(iter(bad)).rstrip("l") if "family" not in bad else "needel"):
+        practice_document(**kwargs)

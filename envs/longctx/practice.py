@@ -7,12 +7,17 @@ a tool. Two uses share the format here:
   what the likelihood score of a pretrained model (rl/pretrain/retrieval_score.py) measures;
 * ``practice_document``: ``questions`` instances of a family merged into one haystack (their facts inserted into the
   same real passages), followed by every question with its answer — pretraining text
-  (``write_practice_corpus``: a JSONL source for ``k3rl pretrain``) whose loss on each answer is a retrieval.
+  (``write_practice_corpus``: a JSONL source for ``k3rl pretrain``) whose loss on each answer is a retrieval;
+* ``practice_episodes``: the environment's own episodes (system prompt, haystack and question, the oracle's tool
+  calls) on practice tasks — conversations (``write_practice_episodes``: a ``format: chat`` source for
+  ``k3rl pretrain``, rendered as rollouts render them) that carry the lookup into the format RL samples.
 
 A question the merged facts make ambiguous (the family's own solver, reading the facts first to last and last to
 first, finds different answers, or not the gold one) is left out. Documents are deterministic in (family, seed, length,
 source, options); ``seed`` streams are disjoint from the task seeds of the environments (``tasks(n, seed)`` draws
-from ``random.Random("tasks:…")``, this module from ``random.Random("practice:…")``).
+from ``random.Random("tasks:…")``, this module from ``random.Random("practice:…")``), and a practice episode's
+instance seed is ≥ ``PRACTICE_SEED_BASE`` while every environment task's is below it: no practice episode is ever a
+training or held-out task.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from k3rl.envs.longctx.names import Names
 from k3rl.envs.longctx.oracles import solve_in_context
 from k3rl.envs.longctx.task import Instance
 
+PRACTICE_SEED_BASE = 2**31
+"""Practice episodes' instance seeds are ≥ this; environments draw task seeds below it (serving.py ``tasks``)."""
 PLAIN_DOCUMENT = "<document>\n{document}\n</document>\n"
 PLAIN_QA = "\nQuestion: {question}\nAnswer:"
 
@@ -108,6 +115,44 @@ def write_practice_corpus(path: str | Path, families: dict[str, int], length: in
 
     streams = [practice_documents(f, n, length, seed, **kwargs) for f, n in families.items()]
     lines = [json.dumps({"text": doc}) for group in zip_longest(*streams) for doc in group if doc is not None]
+    path = Path(path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    return path
+
+
+def practice_tasks(family: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` tasks of ``family`` for practice episodes: instance seeds in [2³¹, 2³²), which no environment task has."""
+    rng = random.Random(f"practice-tasks:{family}:{seed}")
+    return [{"family": family, "seed": PRACTICE_SEED_BASE + rng.randrange(2**31)} for _ in range(n)]
+
+
+def practice_episodes(family: str, n: int, length: int, seed: int = 0, serve: str = "context", source: str = "wiki",
+                      tokenizer: Any = None, **options: Any) -> Iterator[list[dict[str, str]]]:
+    """The environment's oracle episodes (``serve``: in context or behind search) on ``n`` practice tasks of stream
+    ``seed`` at ``length`` tokens (the environment's prompt budget; byte estimate without ``tokenizer``): each a
+    list of messages up to the last assistant turn — what the agent loop renders, the terminal result left out.
+    Tasks the oracle cannot solve are skipped."""
+    import k3rl.envs as envs
+
+    env = envs.make(family, serve=serve, length=length, source=source, tokenizer=tokenizer, **options)
+    for task in practice_tasks(family, n, seed):
+        result = envs.run_episode(env, task, env.oracle(task), env.budget)
+        if result.reward < 1.0:
+            continue
+        last = max(i for i, m in enumerate(result.messages) if m["role"] == "assistant")
+        yield [{"role": m["role"], "content": m["content"]} for m in result.messages[: last + 1]]
+
+
+def write_practice_episodes(path: str | Path, families: dict[str, int], length: int, seed: int = 0,
+                            **kwargs: Any) -> Path:
+    """A ``format: chat`` pretraining source (``{"messages": […]}`` per line): ``families[name]`` practice episodes
+    of each family (``practice_episodes``), interleaved; written atomically."""
+    from k3rl.util.atomic import write_text_atomic
+
+    streams = [practice_episodes(f, n, length, seed, **kwargs) for f, n in families.items()]
+    lines = [json.dumps({"messages": ep}) for group in zip_longest(*streams) for ep in group if ep is not None]
+    if not lines:
+        raise ValueError(f"no practice episode of {sorted(families)} was solved by its oracle at length {length}")
     path = Path(path)
     write_text_atomic(path, "\n".join(lines) + "\n")
     return path

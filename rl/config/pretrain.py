@@ -22,7 +22,11 @@ class DataSource:
     """A built-in corpus (`wiki`: Wikipedia lead summaries, `shakespeare`: 42 plays) or a local file, directory or
     glob of text, JSONL or Parquet files."""
     format: str = "auto"
-    """`auto` (from the suffix), `text`, `json` (JSONL) or `parquet`; ignored for built-in corpora."""
+    """`auto` (from the suffix), `text`, `json` (JSONL) or `parquet`; ignored for built-in corpora. `chat`: JSONL
+    conversations (`{"messages": [{"role", "content"}, …]}`, e.g. an environment's oracle episodes:
+    envs/longctx/practice.py `write_practice_episodes`) rendered through the model's chat template exactly as
+    rollouts are (the framing tokens real, the contents neutralised), for a mid-training stage in the format RL
+    samples; `text_field` and `group_by` do not apply."""
     text_field: str = "text"
     """The column holding the text (JSONL, Parquet)."""
     group_by: Optional[str] = None

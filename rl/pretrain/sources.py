@@ -2,7 +2,9 @@
 
 A source (`DataSource`, rl/config/pretrain.py) is the built-in `wiki` or `shakespeare`, or local files: a text file is
 one document, JSONL is read line by line as envs/jsonl.py reads task files (a `.json` file may hold one array of
-records), Parquet through `datasets`, optionally streamed. Reading is strict: a line that is not UTF-8 or JSON, or
+records), Parquet through `datasets`, optionally streamed; `format: chat` reads JSONL conversations (`{"messages":
+[{"role", "content"}, …]}`, e.g. an environment's oracle episodes, envs/longctx/practice.py) that
+rl/pretrain/token_cache.py renders as rollouts render them. Reading is strict: a line that is not UTF-8 or JSON, or
 a record without a string `text_field`, is `CorruptCorpusError("path:line: what")`. `group_by` makes long
 documents: records sharing the column's value are joined by a blank line, groups in order of first appearance (the
 group texts are held in memory until the input ends). rl/pretrain/token_cache.py tokenizes what is read here.
@@ -67,17 +69,46 @@ def records(name: str, source: DataSource, files: list[Path], scratch: Path) -> 
             yield r.get("title", str(i)), r["text"], r.get(source.group_by) if source.group_by else None
         return
     for path in files:
-        kind = file_format(path, source.format)
+        kind = source_kind(path, source)
         if kind == "parquet":
             yield from _parquet_records(path, source, scratch)
         else:
             yield from file_records(path, kind, source)
 
 
-def file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[str, str, Any]]:
+def source_kind(path: Path, source: DataSource) -> str:
+    """`chat` for a conversation source, else the file's format (`text`, `json`, `parquet`: envs/sources.py)."""
+    if source.format == "chat":
+        if source.group_by:
+            raise CorruptCorpusError(f"{path}: group_by {source.group_by!r} does not apply to format chat (a "
+                                     f"conversation is one document)")
+        return "chat"
+    return file_format(path, source.format)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _conversation(where: str, record: Any) -> list[dict[str, str]]:
+    """The `messages` of one chat record, checked: a list of {role, content} with string content, one of them the
+    assistant's. `CorruptCorpusError` names what is wrong."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise CorruptCorpusError(f"{where}: a chat record is a JSON object with a non-empty 'messages' list")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
+            raise CorruptCorpusError(f"{where}: messages[{i}] is not {{\"role\": one of {', '.join(CHAT_ROLES)}, "
+                                     f"\"content\": text}}: {json.dumps(m)[:120]}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise CorruptCorpusError(f"{where}: a chat record needs an assistant message")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[str, Any, Any]]:
     """(label, text, group value) of the non-empty records of a text file (one document) or a JSONL file (one
     record a line; a `.json` file may instead hold one array of records), read strictly (envs/jsonl.py): a line
-    that is not UTF-8 or JSON, or a record without a string `text_field`, is `CorruptCorpusError("path:line: …")`."""
+    that is not UTF-8 or JSON, or a record without a string `text_field`, is `CorruptCorpusError("path:line: …")`.
+    A `chat` file's records yield their checked `messages` list in place of the text."""
     try:
         if kind == "text":
             text = _utf8(path, path.read_bytes())
@@ -85,6 +116,9 @@ def file_records(path: Path, kind: str, source: DataSource) -> Iterator[tuple[st
                 yield f"{path.name}#0", text.strip(), None
             return
         for row, (where, record) in enumerate(json_records(path)):
+            if kind == "chat":
+                yield f"{path.name}#{row}", _conversation(where, record), None
+                continue
             text, group = _fields(where, record, source)
             if text and text.strip():
                 yield f"{path.name}#{row}", text.strip(), group
@@ -190,4 +224,5 @@ def group_documents(records: Iterator[tuple[str, str, Any]], group_by: Optional[
         yield f"{group_by}={key}", "\n\n".join(groups.pop(key))
 
 
-__all__ = ["check_parquet", "default_sources", "file_records", "group_documents", "records", "source_files"]
+__all__ = ["CHAT_ROLES", "check_parquet", "default_sources", "file_records", "group_documents", "records", "source_files",
+           "source_kind"]

@@ -32,10 +32,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from k3rl.envs.sources import BUILTIN_SOURCES, CorpusError, CorruptCorpusError, builtin_checksum, file_format
+from k3rl.envs.sources import BUILTIN_SOURCES, CorpusError, CorruptCorpusError, builtin_checksum
 from k3rl.rl.checkpoint import COMPLETE, atomic_dir
 from k3rl.rl.config import DataSource
-from k3rl.rl.pretrain.sources import check_parquet, file_records, group_documents, records, source_files
+from k3rl.rl.pretrain.sources import check_parquet, file_records, group_documents, records, source_files, source_kind
 
 Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): documents tokenized so far (total 0 while unknown: a stream)."""
@@ -154,7 +154,7 @@ def check_sources(sources: Mapping[str, DataSource], cache_root: str | Path) -> 
                 continue
             documents = 0
             for path in files:
-                kind = file_format(path, source.format)
+                kind = source_kind(path, source)
                 if kind == "parquet":
                     documents += check_parquet(path, source)
                 else:
@@ -185,18 +185,30 @@ def _cached(name: str, source: DataSource, files: list[Path], cache_root: Path) 
     return False
 
 
-def _write_tokens(name: str, texts: Iterator[tuple[str, str]], tokenizer, dtype: np.dtype, min_tokens: int,
+def _write_tokens(name: str, texts: Iterator[tuple[str, Any]], tokenizer, dtype: np.dtype, min_tokens: int,
                   out: Path, progress: Optional[Progress]) -> dict[str, Any]:
     """Tokenize in batches, EOS after each document, and append to out/tokens.bin; offsets.npy at the end.
 
     Documents are untrusted text: every control-token string in them (`<|im_end|>`, `<|bos|>`, `<tool_call>`, …:
     each special or added token of the tokenizer) is neutralised as chat rendering does (rollout/chat.py
     `neutralize`), so the only control id a document's tokens hold is the EOS written after it; the count is
-    `neutralized_control_strings` in the manifest."""
-    from k3rl.rollout.chat import control_pattern, neutralize
+    `neutralized_control_strings` in the manifest. A conversation (a `chat` source's `messages`) is rendered as the
+    agent loop renders a rollout (rollout/chat.py `render_transcript`: the template's framing and the tool-call
+    markers are real, the contents neutralised), so pretraining on it trains the very tokens RL samples."""
+    from k3rl.rollout.chat import ChatRenderer, control_pattern, neutralize, render_transcript
 
     eos = tokenizer.eos_token_id
     controls = control_pattern(tokenizer, special_only=False)
+    renderer: Optional[ChatRenderer] = None
+
+    def conversation_ids(label: str, messages: list[dict[str, str]]) -> list[int]:
+        nonlocal renderer
+        try:
+            renderer = renderer or ChatRenderer(tokenizer)
+            ids = render_transcript(renderer, messages)[0]
+        except ValueError as e:
+            raise CorruptCorpusError(f"pretraining source {name!r}: {label}: {e}") from None
+        return ids[:-1] if ids and ids[-1] == eos else ids  # the document's EOS follows
     offsets, total, seen, dropped, neutralized = [0], 0, 0, 0, 0
     longest = ("", 0)
     with open(out / "tokens.bin", "wb") as f:
@@ -204,10 +216,12 @@ def _write_tokens(name: str, texts: Iterator[tuple[str, str]], tokenizer, dtype:
             nonlocal total, seen, dropped, longest, neutralized
             texts = []
             for _, text in batch:
-                clean, n = neutralize(text, controls)
+                clean, n = neutralize(text, controls) if isinstance(text, str) else ("", 0)
                 texts.append(clean)
                 neutralized += n
             ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+            ids = [doc if isinstance(text, str) else conversation_ids(label, text)
+                   for (label, text), doc in zip(batch, ids)]
             for (label, _), doc in zip(batch, ids):
                 n = len(doc) + 1
                 longest = max(longest, (label, n), key=lambda x: x[1])
@@ -230,7 +244,7 @@ def _write_tokens(name: str, texts: Iterator[tuple[str, str]], tokenizer, dtype:
         batch, chars = [], 0
         for label, text in texts:
             batch.append((label, text))
-            chars += len(text)
+            chars += len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
             if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
                 flush(batch)
                 batch, chars = [], 0

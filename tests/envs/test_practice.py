@@ -11,10 +11,14 @@ from k3rl.envs.longctx.haystack import generate
 from k3rl.envs.longctx.needle import RECORD
 from k3rl.envs.longctx.practice import (
     PLAIN_QA,
+    PRACTICE_SEED_BASE,
     plain_answer,
     plain_prompt,
     practice_document,
+    practice_episodes,
+    practice_tasks,
     write_practice_corpus,
+    write_practice_episodes,
 )
 
 COLOUR = {"ask": "colour", "paraphrase_rate": 0.0}
@@ -96,3 +100,45 @@ def test_bad_arguments_are_named(bad):
     kwargs = {"family": "needle", "seed": 0, "length": 300, **bad}
     with pytest.raises(ValueError, match=next(iter(bad)).rstrip("l") if "family" not in bad else "needel"):
         practice_document(**kwargs)
+
+
+def test_practice_tasks_are_never_environment_tasks():
+    import k3rl.envs as envs
+
+    env = envs.make("needle", serve="context", length=1024, source="wiki")
+    practice = practice_tasks("needle", 2000, seed=0)
+    assert all(PRACTICE_SEED_BASE <= t["seed"] < 2 * PRACTICE_SEED_BASE for t in practice)
+    assert all(0 <= t["seed"] < PRACTICE_SEED_BASE for s in range(3) for t in env.tasks(2000, s))
+    assert practice == practice_tasks("needle", 2000, seed=0) != practice_tasks("needle", 2000, seed=1)
+
+
+@pytest.mark.parametrize("serve", ["context", "search"])
+def test_practice_episodes_are_the_environments_oracle_episodes(serve):
+    import k3rl.envs as envs
+
+    options = {"distractors": 0, "unanswerable_rate": 0.0, **COLOUR}
+    episodes = list(practice_episodes("needle", 3, 600, seed=2, serve=serve, **options))
+    env = envs.make("needle", serve=serve, length=600, source="wiki", **options)
+    assert len(episodes) == 3
+    for messages, task in zip(episodes, practice_tasks("needle", 3, seed=2)):
+        inst = env.instance(task)
+        assert [m["role"] for m in messages][:2] == ["system", "user"] and messages[-1]["role"] == "assistant"
+        assert inst.question in messages[1]["content"]
+        assert f'"text": "{inst.answers[0]}"' in messages[-1]["content"]  # the oracle's answer call, gold
+        if serve == "search":
+            assert [m["role"] for m in messages].count("tool") >= 1  # it searched before answering
+        else:
+            assert all(f"[{pid}] {text}" in messages[1]["content"] for pid, text in inst.passages)
+
+
+def test_write_practice_episodes(tmp_path):
+    path = write_practice_episodes(tmp_path / "ep.jsonl", {"needle": 3, "multihop": 2}, 700, seed=1, source="wiki")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 5 and all(set(r) == {"messages"} for r in rows)
+    from k3rl.envs.registry import UnknownEnvironment
+
+    firsts = [practice_tasks(f, 1, seed=1)[0] for f in ("needle", "multihop")]
+    assert [r["messages"][-1]["content"] for r in rows[:2]] == [
+        next(practice_episodes(t["family"], 1, 700, seed=1))[-1]["content"] for t in firsts]  # interleaved
+    with pytest.raises(UnknownEnvironment, match="unknown environment 'needles'"):
+        write_practice_episodes(tmp_path / "x.jsonl", {"needles": 1}, 700)

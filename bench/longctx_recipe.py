@@ -9,10 +9,10 @@ Stages, each a `k3rl` command on a config of configs/longctx/ (a stage whose out
 same command continues a cut run):
 
 1. practice — retrieval-rich pretraining text (envs/longctx/practice.py): needle questions answered against real
-   Wikipedia passages in ~100-, ~180- and ~400-token documents, from the seed's own `practice:` stream (never an
-   environment's task seed); pretrain — `k3rl pretrain configs/longctx/pretrain.yaml`: the tiny K3 from random
-   weights through a 128 → 256 → 512 curriculum on that text, the likelihood retrieval score
-   (rl/pretrain/retrieval_score.py) at each stage's start and end (`--no-pretrain`: SFT from random weights);
+   Wikipedia passages in ~100-token documents, from the seed's own `practice:` stream (never an environment's task
+   seed); pretrain — `k3rl pretrain configs/longctx/pretrain.yaml`: the tiny K3 from random weights on that text in
+   128-token rows, the likelihood retrieval score (rl/pretrain/retrieval_score.py) at the start and end
+   (`--no-pretrain`: SFT from random weights);
 2. sft — `k3rl sft configs/longctx/sft.yaml`: the chat format, the `answer` tool and the lookup itself on oracle
    demonstrations of the needle task in context at short length (from random weights, or the pretrained model);
 3. eval-sft — `k3rl eval configs/longctx/eval.yaml` on the warm-started model: the grid before RL;
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pretrain:
         from k3rl.envs.longctx.practice import write_practice_corpus
 
-        # (byte-estimate length, questions, documents): ~100, ~180 and ~400 tokens with the tiny K3's tokenizer
-        practice = {"short": (60, 1, 16000), "medium": (120, 2, 6000), "long": (300, 4, 2000)}
+        # (byte-estimate length, questions, documents): ~100-token documents with the tiny K3's tokenizer
+        practice = {"short": (60, 1, 16000)}
         for i, (kind, (length, questions, n)) in enumerate(practice.items()):
             stage(f"practice-{kind}", lambda kind=kind, length=length, q=questions, n=n, i=i:
                   write_practice_corpus(out / f"practice-{kind}.jsonl", {"needle": n}, length, seed=3 * seed + i,

@@ -17,9 +17,9 @@ same command continues a cut run):
    demonstrations of the needle task in context at short length (from random weights, or the pretrained model);
 3. eval-sft — `k3rl eval configs/longctx/eval.yaml` on the warm-started model: the grid before RL;
 4. rl-L for each of `--rl-lengths` — `k3rl train configs/longctx/rl.yaml` at haystacks of L tokens from the
-   previous model (a length curriculum), with the small in-training grid every `eval.grid_every` steps;
-5. eval-rl-L — the grid on each RL stage's model;
-6. report — `report.md` / `report.json`: success by length with Wilson intervals before and after every stage,
+   previous model (a length curriculum), with the small in-training grid every `eval.grid_every` steps, then
+   eval-rl-L — the grid on that stage's model;
+5. report — `report.md` / `report.json`: success by length with Wilson intervals before and after every stage,
    effective lengths (rl/eval/report.py's rule at `eval.effective_ratio`), the difference at the longest trained
    length with its Newcombe interval, the verdicts the issue asks for, wall time and peak memory;
    `before_after.png`: success by length, before RL and after each stage, per family and serving.
@@ -177,18 +177,21 @@ def main(argv: list[str] | None = None) -> int:
         sft_args.append(f"sft.model_dir={sorted((out / 'pretrain').glob('stage*/final'))[-1]}")
     stage("sft", lambda: k3rl([*sft_args, *args.sft_set], log, env))
     models = {"sft": out / "sft" / "model"}
-    previous = models["sft"]
+
+    def evaluate(name: str) -> None:
+        stage(f"eval-{name}", lambda: k3rl(
+            ["eval", str(CONFIGS / "eval.yaml"), *common, f"run.name=eval-{name}", f"eval.model_path={models[name]}",
+             *grid, *args.eval_set], log, env))
+
+    evaluate("sft")
     for length in args.rl_lengths:
-        name = f"rl-{length}"
+        name, previous = f"rl-{length}", list(models.values())[-1]
         stage(name, lambda name=name, length=length, previous=previous: k3rl(
             ["train", str(CONFIGS / "rl.yaml"), *common, f"run.name={name}", f"rl.model_path={previous}",
              f"env.args.length={length}", f"rollout.max_context_tokens={length + 1024}", *grid, *args.rl_set],
             log, env))
-        previous = models[name] = latest_checkpoint(out / name)
-    for name, model in models.items():
-        stage(f"eval-{name}", lambda name=name, model=model: k3rl(
-            ["eval", str(CONFIGS / "eval.yaml"), *common, f"run.name=eval-{name}", f"eval.model_path={model}", *grid,
-             *args.eval_set], log, env))
+        models[name] = latest_checkpoint(out / name)
+        evaluate(name)
     train_ids = set().union(*(training_task_ids(out / f"rl-{n}") for n in args.rl_lengths))
     for name in models:
         shared = grid_task_ids(out / f"eval-{name}") & train_ids

@@ -87,13 +87,30 @@ def generate(
         raise TypeError(f"unknown option(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
     opt = {**DEFAULTS, **options}
     count = as_token_counter(tokenizer)
+    slack = 0
+    for _ in range(4):  # per-passage counts are estimates; a haystack they overfill is rebuilt with less filler
+        try:
+            return _build(family, seed, length, source, count, opt, slack)
+        except _Overflow as e:
+            slack += e.excess + 8
+    raise ValueError(f"length {length} is too small for this {family} task")
+
+
+class _Overflow(ValueError):
+    def __init__(self, excess: int):
+        self.excess = excess
+
+
+def _build(family: str, seed: int, length: int, source: str, count, opt: dict[str, Any], slack: int) -> Instance:
+    """Instance ``seed`` with ``slack`` tokens fewer of filler than the estimates allow; `_Overflow` when the
+    rendered prompt is over ``length`` and every passage left holds a fact."""
     rng = random.Random(f"{family}:{seed}")
     spec = GENERATORS[family](rng, Names(rng, pool_words(source)), opt)
     pool = haystack_pool(source)
 
     fixed = count(PROMPT_CONTEXT.format(document="", question=spec.question))
     fact_tokens = sum(count(" " + f.text) for f in spec.facts)
-    budget = length - fixed - fact_tokens
+    budget = length - fixed - fact_tokens - slack
     start = rng.randrange(len(pool))
     chosen: list[str] = []
     costs: list[int] = []
@@ -102,12 +119,16 @@ def generate(
         text = pool[(start + k) % len(pool)]
         c = count(_line("p00000", text)) + 1
         if total + c > budget:
-            break
+            if chosen:
+                break
+            continue  # the starting passage alone overflows a short cell: the haystack starts at the next that fits
         chosen.append(text)
         costs.append(c)
         total += c
     else:
-        raise ValueError(f"source {source!r} has fewer than {length} tokens of text; use a smaller length or source='mixed'")
+        if chosen:
+            raise ValueError(f"source {source!r} has fewer than {length} tokens of text; use a smaller length or "
+                             f"source='mixed'")
     if not chosen:
         raise ValueError(f"length {length} is too small for a {family} task with {len(spec.facts)} facts")
 
@@ -139,7 +160,7 @@ def generate(
                 removed.add(i)
                 excess -= costs[i]
         if not removed:
-            raise ValueError(f"length {length} is too small for this {family} task")
+            raise _Overflow(n - length)
         keep = [i for i in range(len(chosen)) if i not in removed]
         remap = {old: new for new, old in enumerate(keep)}
         chosen, costs = [chosen[i] for i in keep], [costs[i] for i in keep]

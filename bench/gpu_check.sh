@@ -55,7 +55,7 @@ SUMMARY="$RESULTS/gpu_check.md"
 # (tests/rollout/test_vllm_k3_gpu.py needs vLLM's CUDA build: its wheels exceed what travels to the machine.)
 GPU_TESTS="tests/kernels/test_cuda_parity.py tests/kernels/test_situ.py tests/kernels/test_attn_res_mix.py"
 # step name → time limit (seconds); their sum stays under 8 minutes with the setup
-declare -A STEP_LIMITS=([env]=30 [pytest]=150 [kda_gpu]=170 [gpu_model]=110)
+declare -A STEP_LIMITS=([env]=40 [pytest]=150 [kda_gpu]=${KDA_GPU_LIMIT:-300} [gpu_model]=110)
 read -r -a STEPS <<<"${GPU_CHECK_STEPS:-env pytest kda_gpu gpu_model}"  # GPU_CHECK_STEPS="env gpu_model": a subset
 
 # k3rl without installing: the namespace package `k3rl` as links to the repository's top-level folders
@@ -91,11 +91,11 @@ $PY -c 'import torch, triton, transformers; print(\"torch\", torch.__version__, 
 $PY -c 'import fla, omegaconf; print(\"fla\", fla.__version__, \"omegaconf\", omegaconf.__version__)'" ;;
     env:dry) echo "PYTHONPATH=$BLOCK:\$PYTHONPATH $PY -c 'import torch, triton, k3rl.kernels.kda, k3rl.kernels.moe, \
 k3rl.model.modeling, k3rl.rollout.torch_engine; print(\"imports ok\")'" ;;
-    pytest:run) echo "$PY -m pytest $GPU_TESTS -q -p no:cacheprovider -o addopts= --timeout=140 \
+    pytest:run) echo "$PY -m pytest ${GPU_TESTS_SELECTED:-$GPU_TESTS} -q -p no:cacheprovider -o addopts= --timeout=140 \
 --junitxml=$WORK/pytest.xml -rfEs" ;;
     pytest:dry) echo "PYTHONPATH=$BLOCK:\$PYTHONPATH $PY -m pytest $GPU_TESTS -q -p no:cacheprovider -o addopts= \
 --collect-only" ;;
-    kda_gpu:run) echo "$PY bench/kda_gpu.py --shapes 1x4096,1x32768,1x131072 --out $WORK" ;;
+    kda_gpu:run) echo "$PY bench/kda_gpu.py ${KDA_GPU_ARGS:---shapes 1x4096,1x32768,1x131072} --out $WORK" ;;
     kda_gpu:dry) echo "PYTHONPATH=$BLOCK:\$PYTHONPATH $PY bench/kda_gpu.py --smoke-cpu --out $WORK" ;;
     gpu_model:run) echo "$PY bench/gpu_model.py --out $WORK" ;;
     gpu_model:dry) echo "PYTHONPATH=$BLOCK:\$PYTHONPATH $PY bench/gpu_model.py --smoke-cpu --out $WORK" ;;
@@ -103,12 +103,32 @@ k3rl.model.modeling, k3rl.rollout.torch_engine; print(\"imports ok\")'" ;;
 }
 
 declare -A STATUS SECONDS_TAKEN
+for s in "${STEPS[@]}"; do STATUS[$s]="not run"; SECONDS_TAKEN[$s]=0; done
+
+write_summary() {  # after every step, so a run cut short still leaves its results
+  {
+    echo "# bench/gpu_check.sh ($MODE mode), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo
+    echo "| step | result | seconds |"
+    echo "|---|---|---|"
+    for s in "${STEPS[@]}"; do echo "| $s | ${STATUS[$s]} | ${SECONDS_TAKEN[$s]} |"; done
+    echo
+    for s in "${STEPS[@]}"; do
+      if [[ -f "$WORK/$s.md" ]]; then echo "## $s"; cat "$WORK/$s.md"; echo
+      elif [[ -f "$WORK/$s.log" ]]; then echo "## $s (last lines)"; echo '```'; tail -n 25 "$WORK/$s.log"; echo '```'; fi
+    done
+  } >"$SUMMARY"
+  for f in kda_gpu.json gpu_model.json pytest.xml; do if [[ -f "$WORK/$f" ]]; then cp "$WORK/$f" "$RESULTS/"; fi; done
+}
+
 for s in "${STEPS[@]}"; do
   cmd="$(step_cmd "$s")"
   limit="${STEP_LIMITS[$s]}"
   [[ $MODE == dry ]] && limit=$((limit * 4))  # the interpreter is slow
   echo "=== [$s] (limit ${limit}s) $cmd" | tee -a "$LOG"
   start=$(date +%s)
+  STATUS[$s]=running
+  write_summary
   timeout --kill-after=10 "$limit" bash -c "$cmd" >"$WORK/$s.log" 2>&1
   rc=$?
   SECONDS_TAKEN[$s]=$(( $(date +%s) - start ))
@@ -118,23 +138,8 @@ for s in "${STEPS[@]}"; do
   elif [[ $rc == 124 || $rc == 137 ]]; then STATUS[$s]="timeout (${limit}s)"
   else STATUS[$s]="fail (exit $rc)"; fi
   echo "=== [$s] ${STATUS[$s]} in ${SECONDS_TAKEN[$s]}s" | tee -a "$LOG"
+  write_summary
 done
-
-{
-  echo "# bench/gpu_check.sh ($MODE mode), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
-  echo
-  echo "| step | result | seconds |"
-  echo "|---|---|---|"
-  for s in "${STEPS[@]}"; do echo "| $s | ${STATUS[$s]} | ${SECONDS_TAKEN[$s]} |"; done
-  echo
-  echo "## env"; echo '```'; cat "$WORK/env.log"; echo '```'
-  echo "## pytest (last lines)"; echo '```'; tail -n 25 "$WORK/pytest.log"; echo '```'
-  for table in kda_gpu gpu_model; do
-    if [[ -f "$WORK/$table.md" ]]; then echo "## $table"; cat "$WORK/$table.md"; echo
-    else echo "## $table (no tables; last lines)"; echo '```'; tail -n 25 "$WORK/$table.log"; echo '```'; fi
-  done
-} >"$SUMMARY"
-for f in kda_gpu.json gpu_model.json pytest.xml; do [[ -f "$WORK/$f" ]] && cp "$WORK/$f" "$RESULTS/"; done
-head -n 10 "$SUMMARY"
+head -n $(( ${#STEPS[@]} + 4 )) "$SUMMARY"
 for s in "${STEPS[@]}"; do [[ ${STATUS[$s]} == pass ]] || exit 1; done
 exit 0

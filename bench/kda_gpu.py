@@ -534,9 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     for path, (run, _) in paths.items():
         for gate in ("tensor", *GATES):
             for dtype in (torch.float32, torch.bfloat16):
+                started = time.perf_counter()
                 c = check_chunk(run, gate, dtype)
                 c["path"] = path
                 checks.append(c)
+                print(f"check {path} {gate} {str(dtype).removeprefix('torch.')}: {'ok' if c['ok'] else 'FAILED'} "
+                      f"({time.perf_counter() - started:.1f} s, compiles included)", flush=True)
                 passed[(path, gate)] = passed.get((path, gate), True) and c["ok"]
                 free_memory()
     print(f"\nChecks (chunked op vs chunk_kda_torch in float64, B=1 T={CHECK_SHAPE['T']} H={CHECK_SHAPE['H']} "

@@ -69,13 +69,13 @@ def test_attn_res_mix_lengths_and_persistent_backward(shape, max_programs, nan_p
 
 
 def test_one_source_passes_through(nan_poison):
-    v = torch.randn(3, 5, 16)
-    q = torch.randn(16)
+    v = torch.randn(3, 5, 16, device=DEVICE)
+    q = torch.randn(16, device=DEVICE)
     assert attn_res_mix([v], q, EPS) is v
     # the kernel itself with one source: α = 1, y = v, dv = dy, dq = 0
     vt, qt = v.clone().requires_grad_(), q.clone().requires_grad_()
     out = attn_res_mix_triton([vt], qt, EPS)
-    dy = torch.randn(3, 5, 16)
+    dy = torch.randn(3, 5, 16, device=DEVICE)
     out.backward(dy)
     torch.testing.assert_close(out.detach(), v, rtol=1e-6, atol=0)
     torch.testing.assert_close(vt.grad, dy, rtol=1e-6, atol=1e-7)

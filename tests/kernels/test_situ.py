@@ -95,7 +95,11 @@ def test_fused_relative_error_per_element(linear_beta, nan_poison):
     amplified ×13 by sech² (measured maximum 5.6 ulps). Where σ(g) is an fp32 subnormal (g = −90:
     σ ≈ 8e−40 < 2⁻¹²⁶) it carries an absolute rounding of 2⁻¹⁵⁰, i.e. a relative 2⁻¹⁵⁰/σ(g) that
     every later product inherits; that term is added to the bound (GPUs flush it to 0 anyway).
+    Compiled for a GPU the bound is 16: Triton lowers fp32 division to the approximate `div.full` (2 ulps), which
+    the ×13 amplification at u/β_l = 20/3 turns into more than 8 (du measured at 13.2 ulps on an H200, Triton
+    3.6, bench/gpu_check.sh; everywhere else within 8).
     """
+    bound = 16.0 if DEVICE == "cuda" else 8.0
     vals = torch.tensor([s * m for m in MAGNITUDES for s in (1, -1)])
     g, u = (x.flatten() for x in torch.meshgrid(vals, vals, indexing="ij"))  # [256]
     dy = torch.randn(g.shape, generator=torch.Generator().manual_seed(3))
@@ -106,14 +110,14 @@ def test_fused_relative_error_per_element(linear_beta, nan_poison):
     for name, got, ref in [("y", out.detach().cpu(), y), ("dg", gt.grad, dg), ("du", ut.grad, du)]:
         err = (got.double() - ref).abs() / (ulp32(ref) + ref.abs() * 2.0**-150 / sig)
         worst = err.argmax()
-        assert err.max() <= 8.0, f"{name}: {err.max():.2f} ulps at g={g[worst]:g}, u={u[worst]:g}"
+        assert err.max() <= bound, f"{name}: {err.max():.2f} ulps at g={g[worst]:g}, u={u[worst]:g}"
 
 
 def test_fused_near_zero_gate_times_infinite_up(nan_poison):
     # the former 2σ(2x) − 1 rounded tanh(−2.5e−8) to 0 and returned 0·inf = NaN here
     g = torch.tensor([-1e-7, 1e-7, -1e-30])
     u = torch.tensor([-math.inf, math.inf, -math.inf])
-    out = situ_glu_triton(g, u, 4.0, None)
+    out = situ_glu_triton(g.to(DEVICE), u.to(DEVICE), 4.0, None).cpu()
     ref = naive_situ_glu(g.double(), u.double(), 4.0, None)
     assert torch.equal(ref, torch.full((3,), math.inf, dtype=torch.float64))
     assert torch.equal(out, torch.full((3,), math.inf))
@@ -130,8 +134,9 @@ def test_fused_nonfinite_like_the_reference(linear_beta, nan_poison):
     g, u = (x.flatten() for x in torch.meshgrid(vals, vals, indexing="ij"))  # [81]
     dy = torch.ones_like(g)
     gt, ut = g.clone().requires_grad_(), u.clone().requires_grad_()
-    out = situ_glu_triton(gt, ut, 4.0, linear_beta)
-    out.backward(dy)
+    out = situ_glu_triton(gt.to(DEVICE), ut.to(DEVICE), 4.0, linear_beta)
+    out.backward(dy.to(DEVICE))
+    out = out.cpu()
     g64, u64 = g.double().requires_grad_(), u.double().requires_grad_()
     naive = naive_situ_glu(g64, u64, 4.0, linear_beta)
     naive.backward(dy.double())
@@ -179,9 +184,9 @@ def test_activation_tl():
     x = torch.cat([mags, -mags, torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan], dtype=torch.float64)])
     x = x.float()  # [10005]
     n = x.numel()
-    out = torch.empty(6 * n)
-    _probe_kernel[(triton.cdiv(n, 2048),)](x, out, n, BLOCK=2048)
-    out = out.view(6, n).double()
+    out = torch.empty(6 * n, device=DEVICE)
+    _probe_kernel[(triton.cdiv(n, 2048),)](x.to(DEVICE), out, n, BLOCK=2048)
+    out = out.view(6, n).double().cpu()
     xd = x.double()
     e = torch.exp(-xd.abs())
     refs = {

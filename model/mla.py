@@ -12,14 +12,15 @@ Packed documents (training, `StepInfo.documents`) take the expanded form under a
 mask ([B, 1, T, T] bool, built only then), their positions restarting with each document.
 
 The decode cache holds only the latent `[kv_c ; k_pe]` (k_pe after rotation). Attention takes one
-of three equivalent forms, picked in `forward`:
+of two equivalent forms, picked in `forward`:
   * expanded (training, short prefill): keys and values are up-projected per head from the latents,
     `F.scaled_dot_product_attention`;
-  * absorbed (one-token decode): W_UK folds into the query and W_UV into the output, so the
-    step attends over the cached latents directly (Lkv + dr per key) without expanding them;
-  * blocked (a long prefill segment over a long cache, rollout/torch_engine.py's segmented prefill):
-    the absorbed form taken a block of queries at a time, so neither the per-head keys [S, H, ·] nor a
-    T×S score matrix or mask ever exist — at most `SCORE_BUDGET` scores at once.
+  * absorbed, in matmul form (one-token decode; a long prefill segment over a long cache, as
+    rollout/torch_engine.py's segmented prefill): W_UK folds into the query and W_UV into the output, so
+    queries attend over the cached latents directly (Lkv + dr per key) as two batched matmuls per block of
+    queries, [B, t·H, D] × [B, D, S] and [B, t·H, S] × [B, S, Lkv], with the heads sharing one latent: neither
+    per-head keys [S, H, ·] (what SDPA over the latents expanded per head would materialise: ~20× slower at
+    16K) nor a T×S score matrix or mask ever exist — at most `SCORE_BUDGET` scores at once.
 """
 
 from __future__ import annotations
@@ -89,12 +90,10 @@ class MultiheadLatentAttention(nn.Module):
         if step.cache is not None:
             latent = step.cache.append_latent(self.layer_idx, latent, step.start)  # [B, S, Lkv + dr]
 
-        # Absorbed for a one-token decode step, blocked for a prefill step too large to score at once,
-        # expanded for training and short prefill.
+        # Over the latents in matmul form (absorbed, blocked) for a one-token decode step and for a prefill
+        # step too large to score at once; expanded for training and short prefill.
         S = latent.shape[1]
-        if T == 1:
-            attend = self._attend_absorbed
-        elif step.cache is not None and B * H * T * S > SCORE_BUDGET:
+        if (T == 1 and step.documents is None) or (step.cache is not None and B * H * T * S > SCORE_BUDGET):
             attend = self._attend_blocked
         else:
             attend = self._attend_expanded
@@ -166,14 +165,3 @@ class MultiheadLatentAttention(nn.Module):
             scores.masked_fill_(~step.attn_mask(lo, lo + t, keys).transpose(1, 2), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(latent.dtype).flatten(1, 2)  # [B, t·H, keys]
         return torch.matmul(probs, latent[..., : self.kv_rank]).view(B, t, H, self.kv_rank)
-
-    def _attend_absorbed(self, q_nope, q_pe, latent, step: StepInfo) -> torch.Tensor:
-        B, S, D = latent.shape
-        H = self.num_heads
-        w_uk, w_uv = self._absorbed_weights()
-        q_lat = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)  # [B, H, T, Lkv]
-        q = torch.cat([q_lat, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, Lkv + dr]
-        keys = latent[:, None].expand(B, H, S, D)  # [B, H, S, Lkv + dr], shared by heads
-        values = latent[:, None, :, : self.kv_rank].expand(B, H, S, self.kv_rank)
-        out_lat = self._sdpa(q, keys, values, step)  # [B, H, T, Lkv]
-        return torch.einsum("bhtl,hvl->bthv", out_lat, w_uv)  # [B, T, H, dv]

@@ -111,3 +111,29 @@ def test_rope_matches_complex_rotation():
     ref = torch.stack([rope_complex(x[b], pos[b], 777.0) for b in range(3)])
     torch.testing.assert_close(apply_rope(x, pos, 777.0), ref, atol=1e-9, rtol=1e-9)
     assert F.cosine_similarity(apply_rope(x, pos, 777.0).flatten(), x.flatten(), dim=0) < 0.9
+
+
+@pytest.mark.parametrize("nope", [True, False])
+def test_decode_over_left_padded_cache_is_each_sequence_alone(nope):
+    """The one-token decode step in matmul form over a batch whose rows carry different left padding: every row's
+    outputs equal its own sequence run alone (float64), the padding keys never attended."""
+    cfg = make_config(kda_layers=(), mla_use_nope=nope, rope_theta=500.0)
+    torch.manual_seed(3)
+    layer = MultiheadLatentAttention(cfg, 0).double()
+    lengths, T, steps = (9, 4), 9, 6
+    x = torch.randn(2, T + steps, cfg.hidden_size, dtype=torch.float64)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, : T - lengths[1]] = 0  # row 1: 5 columns of padding
+    with torch.no_grad():
+        cache = K3Cache.create(cfg, 2, capacity=T + steps, dtype=torch.float64)
+        layer(x[:, :T], make_step((2, T), "cpu", cache, mask, 10**6))
+        cache.commit(T)
+        outs = []
+        for t in range(steps):
+            outs.append(layer(x[:, T + t:T + t + 1], make_step((2, 1), "cpu", cache, None, 10**6)))
+            cache.commit(1)
+        out = torch.cat(outs, 1)  # [2, steps, d]
+        for b, n in enumerate(lengths):
+            alone = torch.cat([x[b, T - n:T], x[b, T:]])  # the row's real tokens, then its decoded ones
+            ref = reference_mla(layer, cfg, alone, torch.arange(n + steps))[n:]
+            torch.testing.assert_close(out[b], ref, atol=1e-12, rtol=1e-10)

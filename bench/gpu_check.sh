@@ -55,7 +55,7 @@ SUMMARY="$RESULTS/gpu_check.md"
 # (tests/rollout/test_vllm_k3_gpu.py needs vLLM's CUDA build: its wheels exceed what travels to the machine.)
 GPU_TESTS="tests/kernels/test_cuda_parity.py tests/kernels/test_situ.py tests/kernels/test_attn_res_mix.py"
 # step name → time limit (seconds); their sum stays under 8 minutes with the setup
-declare -A STEP_LIMITS=([env]=40 [pytest]=150 [kda_gpu]=${KDA_GPU_LIMIT:-300} [gpu_model]=110)
+declare -A STEP_LIMITS=([env]=40 [pytest]=150 [kda_gpu]=${KDA_GPU_LIMIT:-300} [gpu_model]=220)
 read -r -a STEPS <<<"${GPU_CHECK_STEPS:-env pytest kda_gpu gpu_model}"  # GPU_CHECK_STEPS="env gpu_model": a subset
 
 # k3rl without installing: the namespace package `k3rl` as links to the repository's top-level folders
@@ -97,7 +97,7 @@ k3rl.model.modeling, k3rl.rollout.torch_engine; print(\"imports ok\")'" ;;
 --collect-only" ;;
     kda_gpu:run) echo "$PY bench/kda_gpu.py ${KDA_GPU_ARGS:---shapes 1x4096,1x32768,1x131072} --out $WORK" ;;
     kda_gpu:dry) echo "PYTHONPATH=$BLOCK:\$PYTHONPATH $PY bench/kda_gpu.py --smoke-cpu --out $WORK" ;;
-    gpu_model:run) echo "$PY bench/gpu_model.py --out $WORK" ;;
+    gpu_model:run) echo "$PY bench/gpu_model.py ${GPU_MODEL_ARGS:-} --out $WORK" ;;
     gpu_model:dry) echo "PYTHONPATH=$BLOCK:\$PYTHONPATH $PY bench/gpu_model.py --smoke-cpu --out $WORK" ;;
   esac
 }
@@ -106,6 +106,7 @@ declare -A STATUS SECONDS_TAKEN
 for s in "${STEPS[@]}"; do STATUS[$s]="not run"; SECONDS_TAKEN[$s]=0; done
 
 write_summary() {  # after every step, so a run cut short still leaves its results
+  local s f
   {
     echo "# bench/gpu_check.sh ($MODE mode), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
     echo
@@ -123,7 +124,8 @@ write_summary() {  # after every step, so a run cut short still leaves its resul
 
 for s in "${STEPS[@]}"; do
   cmd="$(step_cmd "$s")"
-  limit="${STEP_LIMITS[$s]}"
+  override="LIMIT_$s"
+  limit="${!override:-${STEP_LIMITS[$s]}}"  # LIMIT_pytest=60 etc. override a step's limit
   [[ $MODE == dry ]] && limit=$((limit * 4))  # the interpreter is slow
   echo "=== [$s] (limit ${limit}s) $cmd" | tee -a "$LOG"
   start=$(date +%s)

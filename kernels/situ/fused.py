@@ -229,6 +229,7 @@ def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_be
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU [..., N] × [..., N] → [..., N]: Triton where kernels/dispatch.py says so, else the PyTorch expression."""
-    if use_triton(gate):
+    # float64 stays on the reference: the kernels compute in fp32
+    if use_triton(gate) and gate.dtype != torch.float64:
         return situ_glu_triton(gate, up, beta, linear_beta)
     return naive_situ_glu(gate, up, beta, linear_beta)

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import ray
 from ray.exceptions import RayActorError
 
+from k3rl.rollout.weight_transfer import pack_weights
 from k3rl.rollout.worker import PartialCollection, RolloutWorker, WorkerSpec
 
 
@@ -128,8 +129,10 @@ class RolloutPool:
         return self._remote.options(**options).remote(spec)
 
     def push_weights(self, named_weights: Any, version: int, blocking: bool) -> None:
-        """Queue `named_weights` (with `version`) on every actor; `blocking` waits for each to confirm."""
-        ref = ray.put(named_weights)
+        """Queue `named_weights` (with `version`) on every actor; `blocking` waits for each to confirm.
+        `named_weights` is a list of (name, tensor) or, better, an ObjectRef to one that the learner put itself
+        (rl/train/group.py `LearnerGroup.weights_ref`): then the driver never holds the weights."""
+        ref = named_weights if isinstance(named_weights, ray.ObjectRef) else ray.put(pack_weights(named_weights))
         self._weights = (version, ref)
         for slot in self.slots:
             slot.pushes.append((slot.actor.load_weights.remote(ref, version), version))

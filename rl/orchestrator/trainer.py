@@ -259,7 +259,7 @@ class Trainer:
 
     def _push_weights(self, blocking: bool) -> None:
         """The learner's weights (with its version) to every rollout worker; `blocking` waits for each."""
-        self.pool.push_weights(self.learner.named_weights(), self.version, blocking)
+        self.pool.push_weights(self.learner.weights_ref(), self.version, blocking)
 
     def train(self) -> Path:
         """Run the remaining steps; write the plots; release the actors. Returns the run directory."""

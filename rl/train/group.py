@@ -4,7 +4,7 @@ commands drive. `LearnerGroup` has the same methods as `Learner`:
 
     group = LearnerGroup(LearnerConfig.from_job(job, model_dir), num_ranks=job.learner.num_ranks)
     metrics = group.train_step(batch)                         # one optimizer step, global metrics
-    weights, version = group.named_weights(), group.version   # → Engine.load_weights on every worker
+    weights, version = group.weights_ref(), group.version     # → Engine.load_weights on every worker
     with CheckpointManager(run_dir / "checkpoints", keep=3).begin(step) as tmp:
         group.save_into(tmp)
         save_trainer_state(tmp, {"step": step, "cursor": ..., "unconsumed": trajectories})
@@ -28,6 +28,7 @@ from k3rl.rl.algos import get_algo
 from k3rl.rl.train import parallel
 from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
 from k3rl.rl.train.supervised import as_trajectory, num_steps, step_batches, train_supervised
+from k3rl.rollout.weight_transfer import pack_weights
 
 
 class LearnerWorker:
@@ -55,6 +56,16 @@ class LearnerWorker:
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return self.learner.named_weights()
+
+    def weights_ref(self) -> list:
+        """The weights packed into one buffer (rollout/weight_transfer.py) and put into Ray's object store by this
+        actor, as `[ObjectRef]` (a list, so Ray hands the caller the reference instead of resolving it): rollout
+        workers map the buffer from the store without the driver fetching and re-putting the weights. Rank 0 gets
+        `[ref]`, other ranks of a sharded group `[None]`."""
+        import ray
+
+        named = self.learner.named_weights(copy=False)
+        return [ray.put(pack_weights(named)) if named else None]
 
     def save_into(self, directory: str) -> None:
         self.learner.save_into(directory)
@@ -130,6 +141,14 @@ class LearnerGroup:
         if self.sharded:
             return ray.get([a.named_weights.remote() for a in self.actors])[0]
         return ray.get(self.actors[rank].named_weights.remote())
+
+    def weights_ref(self):
+        """`named_weights` as a Ray object put by the learner actor itself: an ObjectRef the rollout pool hands to
+        every worker (rl/orchestrator/rollout_pool.py `push_weights`), so the weights never pass through the driver."""
+        import ray
+
+        actors = self.actors if self.sharded else self.actors[:1]
+        return ray.get([a.weights_ref.remote() for a in actors])[0][0]
 
     @property
     def version(self) -> int:

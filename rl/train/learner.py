@@ -342,14 +342,15 @@ class Learner:
                        peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         return metrics
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def named_weights(self, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the state dict (buffers such as router biases and `lm_head.weight` included),
-        as CPU copies under checkpoint names: what `Engine.load_weights` takes. Under a mesh every rank calls it
-        (the shards are gathered, rl/train/parallel.py `full_state_dict`) and only rank 0 gets the tensors (the others
-        an empty list)."""
+        as CPU copies under checkpoint names: what `Engine.load_weights` takes. `copy=False` returns CPU parameters
+        themselves (detached) for a caller that copies them at once (rl/train/group.py packs them for a push). Under
+        a mesh every rank calls it (the shards are gathered, rl/train/parallel.py `full_state_dict`) and only rank 0
+        gets the tensors (the others an empty list)."""
         if self.mesh is not None:
             return list(parallel.full_state_dict(self.model, self.mesh).items())
-        return [(name, t.detach().to("cpu", copy=True)) for name, t in self.model.state_dict().items()]
+        return [(name, t.detach().to("cpu", copy=copy)) for name, t in self.model.state_dict().items()]
 
     def save_into(self, directory: str | Path) -> None:
         """Write this rank's part of a checkpoint into `directory` (rank 0: model, tokenizer, optimizer; every rank:

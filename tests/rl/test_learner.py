@@ -387,6 +387,12 @@ def test_one_rank_group_equals_learner(ray_cluster, tiny_qwen3_dir, qwen_batch):
     try:
         assert group.train_step(qwen_batch)["num_ranks"] == 1
         assert_same_weights(weights(single), dict(group.named_weights()), atol=1e-12)
+        # the reference the rollout pool pushes: put by the learner actor, the same tensors after the step
+        ref = group.weights_ref()
+        assert isinstance(ref, ray_cluster.ObjectRef)
+        pushed = dict(ray_cluster.get(ref))
+        assert pushed.keys() == weights(single).keys()
+        assert_same_weights(weights(single), pushed, atol=1e-12)
     finally:
         group.shutdown()
 

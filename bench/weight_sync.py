@@ -1,0 +1,137 @@
+"""Weight sync: the learner's weights into rollout engines, per path, in ms per GB against memcpy of the same bytes.
+
+A K3 (configs/model/tiny.yaml or small.yaml, random init, fp32) is the learner's (a one-rank `LearnerGroup`, a
+Ray actor, as `k3rl train` runs it) and each of `--workers` Ray actors holds a `TorchEngine` of the same model.
+One sync = the learner's current weights into every engine (`TorchEngine.load_weights`, every tensor replaced),
+timed from the request until every engine confirms. Paths, in the same run:
+  * memcpy: one `copy_` of every tensor into a preallocated twin, in this process (the floor of any path);
+  * in-process: `Learner.named_weights(copy=False)` → `TorchEngine.load_weights` in this process (no Ray), and
+    "(copies)" with `named_weights()`'s fresh copies in between (page faults of a new buffer every sync);
+  * Ray, via the driver (before issue 31): the driver `ray.get`s the learner actor's tensors, `ray.put`s them again,
+    and hands the reference to every engine;
+  * Ray, learner-put (now: rl/train/group.py `LearnerGroup.weights_ref`): the learner actor `ray.put`s its own
+    tensors; the driver passes the reference on and never holds the weights.
+After the timed syncs each engine's weights are compared with the learner's (bitwise), so a path that skipped a
+tensor fails here. Median of `--reps` syncs after one warm-up.
+
+    python bench/weight_sync.py                    # tiny and small, 2 engines
+    python bench/weight_sync.py --models tiny      # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from k3rl.rl.config import JobConfig, RayConfig, load_config  # noqa: E402
+from k3rl.rl.orchestrator.cluster import init_ray  # noqa: E402
+from k3rl.rl.orchestrator.sft import init_model  # noqa: E402
+from k3rl.rl.train.group import LearnerGroup  # noqa: E402
+from k3rl.rl.train.learner import Learner, LearnerConfig  # noqa: E402
+from k3rl.rollout.torch_engine import TorchEngine  # noqa: E402
+
+
+class EngineActor:
+    """A rollout engine in its own process, as a rollout worker holds one."""
+
+    def __init__(self, model_dir: str):
+        torch.set_num_threads(1)
+        self.engine = TorchEngine.from_pretrained(model_dir)
+
+    def load_weights(self, named, version: int) -> int:
+        self.engine.load_weights(named, version)
+        return version
+
+    def state(self) -> dict:
+        return {n: t.clone() for n, t in self.engine.model.state_dict().items()}
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def build(model: str, directory: Path) -> Path:
+    cfg = load_config(ROOT / f"configs/model/{model}.yaml", [], JobConfig)
+    return init_model(cfg.model, directory / model, seed=0)
+
+
+def measure(model_dir: Path, workers: int, reps: int) -> dict:
+    learner = Learner(LearnerConfig(model_path=str(model_dir), lr=1e-4))
+    named = learner.named_weights()
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    gb = nbytes / 1e9
+    twin = [torch.empty_like(t) for _, t in named]
+
+    def memcpy():
+        for (_, t), d in zip(named, twin):
+            d.copy_(t)
+
+    local = TorchEngine.from_pretrained(model_dir)
+    rows = {"memcpy": median_ms(memcpy, reps),
+            "in-process (copies)": median_ms(lambda: local.load_weights(learner.named_weights(), 1), reps),
+            "in-process": median_ms(lambda: local.load_weights(learner.named_weights(copy=False), 1), reps)}
+
+    group = LearnerGroup(LearnerConfig(model_path=str(model_dir), lr=1e-4), num_ranks=1, num_cpus_per_rank=1)
+    remote = ray.remote(EngineActor)
+    engines = [remote.options(num_cpus=0.5).remote(str(model_dir)) for _ in range(workers)]
+    ray.get([e.state.remote() for e in engines])  # loaded
+
+    def push(ref):
+        ray.get([e.load_weights.remote(ref, 1) for e in engines])
+
+    rows["Ray, via the driver"] = median_ms(lambda: push(ray.put(group.named_weights())), reps)
+    rows["Ray, learner-put"] = median_ms(lambda: push(group.weights_ref()), reps)
+    want = dict(group.named_weights())
+    for e in engines:
+        got = ray.get(e.state.remote())
+        bad = [n for n, t in want.items() if not torch.equal(got[n], t)]
+        assert not bad, f"an engine's weights differ from the learner's after a sync: {bad[:3]}"
+    group.shutdown()
+    for e in engines:
+        ray.kill(e)
+    return dict(bytes=nbytes, per_gb={k: v / gb for k, v in rows.items()}, ms=rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    init_ray(RayConfig(address=None, num_cpus=2), log_to_driver=False)
+    print(f"load {os.getloadavg()[0]:.2f}, {args.workers} engines, median of {args.reps} syncs; every engine's weights "
+          f"checked equal to the learner's after the syncs")
+    print("| model | MB | path | ms per sync | ms/GB | ÷ memcpy |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            r = measure(build(model, Path(tmp)), args.workers, args.reps)
+            base = r["per_gb"]["memcpy"]
+            for path, ms in r["ms"].items():
+                print(f"| {model} | {r['bytes'] / 1e6:.0f} | {path} | {ms:.1f} | {r['per_gb'][path]:.0f} | "
+                      f"{r['per_gb'][path] / base:.1f}× |", flush=True)
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

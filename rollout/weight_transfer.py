@@ -1,0 +1,66 @@
+"""Weights in transit from the learner to the rollout engines: every tensor packed into one byte buffer.
+
+Through Ray, a list of (name, tensor) pairs is pickled tensor by tensor: a few hundred small objects, each its own
+copy and header, ~100× a memcpy of the same bytes (bench/weight_sync.py). `pack_weights` copies the tensors once
+into one contiguous uint8 numpy buffer (64-byte aligned) beside their names, dtypes and shapes. Ray stores a numpy
+buffer out of band and a reader maps it without a copy, so an engine's `load_weights` reads views of the shared
+buffer and copies each straight into its own parameter. `PackedWeights` iterates as (name, tensor) pairs, which is
+what every engine's `load_weights` (rollout/engine.py) already takes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGN = 64
+
+
+@dataclass
+class PackedWeights:
+    """Named tensors in one buffer: tensor i is `buffer[offsets[i]:offsets[i] + nbytes]` viewed as dtypes[i],
+    shapes[i]."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    buffer: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) views of the buffer (read-only when it came out of Ray's object store: copy, don't write)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            flat = torch.from_numpy(self.buffer)
+        for name, dtype, shape, offset in zip(self.names, self.dtypes, self.shapes, self.offsets):
+            dt = getattr(torch, dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+            yield name, flat[offset:offset + n].view(dt).view(shape)
+
+
+def pack_weights(named: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
+    """Copy (name, tensor) pairs (any device, any dtype) into one CPU buffer."""
+    items = [(name, t.detach()) for name, t in named]
+    offsets, end = [], 0
+    for _, t in items:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    buffer = np.empty(end, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    for (_, t), offset in zip(items, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            flat[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+    return PackedWeights(names=[n for n, _ in items], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in items],
+                         shapes=[tuple(t.shape) for _, t in items], offsets=offsets, buffer=buffer)

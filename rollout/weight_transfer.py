@@ -49,14 +49,15 @@ class PackedWeights:
             yield name, flat[offset:offset + n].view(dt).view(shape)
 
 
-def pack_weights(named: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
-    """Copy (name, tensor) pairs (any device, any dtype) into one CPU buffer."""
+def pack_weights(named: Iterable[tuple[str, torch.Tensor]], reuse: np.ndarray | None = None) -> PackedWeights:
+    """Copy (name, tensor) pairs (any device, any dtype) into one CPU buffer: `reuse` when it has the right size
+    (a sender that pushes every step keeps its buffer: a fresh one costs a page fault per 4 KiB on every push)."""
     items = [(name, t.detach()) for name, t in named]
     offsets, end = [], 0
     for _, t in items:
         offsets.append(end)
         end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    buffer = np.empty(end, dtype=np.uint8)
+    buffer = reuse if reuse is not None and reuse.dtype == np.uint8 and reuse.shape == (end,) else np.empty(end, np.uint8)
     flat = torch.from_numpy(buffer)
     for (_, t), offset in zip(items, offsets):
         n = t.numel() * t.element_size()

@@ -37,6 +37,7 @@ class LearnerWorker:
     def __init__(self, num_threads: int = 1):
         torch.set_num_threads(max(1, num_threads))
         self.learner: Optional[Learner] = None
+        self._pack_buffer = None
 
     def address(self) -> tuple[str, int]:
         return parallel.node_address(), parallel.free_port()
@@ -65,7 +66,11 @@ class LearnerWorker:
         import ray
 
         named = self.learner.named_weights(copy=False)
-        return [ray.put(pack_weights(named)) if named else None]
+        if not named:
+            return [None]
+        packed = pack_weights(named, reuse=self._pack_buffer)
+        self._pack_buffer = packed.buffer  # ray.put has copied it into the store: free to refill next push
+        return [ray.put(packed)]
 
     def save_into(self, directory: str) -> None:
         self.learner.save_into(directory)

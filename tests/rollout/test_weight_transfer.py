@@ -55,3 +55,15 @@ def test_through_the_object_store_an_engine_loads_every_tensor(ray_cluster, tiny
     engine.load_weights(ray_cluster.get(ray_cluster.put(pack_weights(new))), version=3)
     state = engine.model.state_dict()
     assert engine.version == 3 and all(torch.equal(state[n], t) for n, t in new)
+
+
+def test_a_kept_buffer_is_refilled_and_a_wrong_sized_one_replaced():
+    named = sample_tensors()
+    first = pack_weights(named)
+    named[0][1].mul_(2.0)
+    again = pack_weights(named, reuse=first.buffer)
+    assert again.buffer is first.buffer
+    check_same(named, again)
+    fresh = pack_weights(named[:2], reuse=first.buffer)
+    assert fresh.buffer is not first.buffer
+    check_same(named[:2], fresh)

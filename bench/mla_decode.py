@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from timing import median_ms  # noqa: E402  (bench/timing.py)
 
 from k3rl.model.cache import K3Cache, make_step  # noqa: E402
 from k3rl.model.config import K3Config  # noqa: E402
@@ -38,22 +37,11 @@ TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_
             linear_attn_config=dict(kda_layers=[], full_attn_layers=[1], num_heads=4, head_dim=32))
 
 
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):  # warm-up: first-call allocations and kernel selection stay out of the numbers
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 256 MiB tensor copy (median of 5)."""
     src = torch.randn(64 << 20)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), 5)
+    ms = median_ms(lambda: dst.copy_(src), 5, warmup=3)
     return 2 * src.numel() * 4 / (ms / 1e3)
 
 
@@ -81,15 +69,15 @@ def measure(layer, B: int, S: int, bandwidth: float, reps: int) -> dict:
         old = sdpa_expanded(layer, q, full)
         new = layer._attend_block(q * layer.scale, full, step, 0)
         err = ((old - new).norm() / old.norm()).item()
-        t_old = median_ms(lambda: sdpa_expanded(layer, q, full), reps)
-        t_new = median_ms(lambda: layer._attend_block(q * layer.scale, full, step, 0), reps)
+        t_old = median_ms(lambda: sdpa_expanded(layer, q, full), reps, warmup=3)
+        t_new = median_ms(lambda: layer._attend_block(q * layer.scale, full, step, 0), reps, warmup=3)
         x = torch.randn(B, 1, layer.config.hidden_size, generator=gen)
 
         def layer_step():
             layer(x, step)
             cache.seq_len = S  # the step appended one latent; keep the cache at S for the next rep
 
-        t_layer = median_ms(layer_step, reps)
+        t_layer = median_ms(layer_step, reps, warmup=3)
     floor = B * (S + 1) * D * 4 / bandwidth * 1e3
     return dict(B=B, S=S, err=err, sdpa_ms=t_old, matmul_ms=t_new, layer_ms=t_layer, floor_ms=floor)
 

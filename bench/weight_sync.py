@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +33,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from timing import median_ms  # noqa: E402  (bench/timing.py)
 
 from k3rl.rl.config import JobConfig, RayConfig, load_config  # noqa: E402
 from k3rl.rl.orchestrator.cluster import init_ray  # noqa: E402
@@ -57,16 +56,6 @@ class EngineActor:
 
     def state(self) -> dict:
         return {n: t.clone() for n, t in self.engine.model.state_dict().items()}
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def build(model: str, directory: Path) -> Path:

@@ -188,10 +188,12 @@ class TorchEngine:
         for _ in range(params.max_tokens):
             new, lp = sample_tokens(logits, params.temperature, params.top_p, self.generator)
             keep = []
+            # one device → host read per step for the whole batch (not one per row: a GPU sync each)
+            new_ids, new_lps = new.tolist(), lp.tolist()
             for row, s in enumerate(alive):
-                tok = int(new[row])
+                tok = new_ids[row]
                 tokens[s].append(tok)
-                logps[s].append(float(lp[row]))
+                logps[s].append(new_lps[row])
                 if tok in stop_ids or (params.stop and self._hits_stop(tokens[s], params.stop, window)):
                     reasons[s] = "stop"
                 elif len(tokens[s]) < params.max_tokens:
@@ -207,8 +209,9 @@ class TorchEngine:
                 alive = [alive[r] for r in keep]
             logits, state = self._decode(new, state)
             if state.get("route") is not None:
+                step_routes = state["route"][:, -1].tolist()  # [rows, layers, k], one read
                 for row, s in enumerate(alive):
-                    routed[s].append(state["route"][row, -1].tolist())
+                    routed[s].append(step_routes[row])
         if self.is_k3 and state.get("route") is not None:
             # A sample's last token is never fed back, so it has no routing: -1 marks it.
             blank = [[-1] * len(state["route"][0, -1][0])] * state["route"].shape[2]

@@ -167,7 +167,7 @@ class SearchEnv(Env):
     def prompt(self, task: Mapping[str, Any]) -> str:
         return f"Question: {task['question']}"
 
-    @tool
+    @tool(inline=True)  # an index lookup: the time-limit thread's hand-off would cost more than the search
     def search(self, query: str, k: int = 5) -> str:
         """Search the collection and return the best-matching passages with their ids.
 
@@ -194,7 +194,7 @@ class SearchEnv(Env):
             lines.append(f"[{h.rank}] {p.id}{doc}\n{text}")
         return "\n\n".join(lines)
 
-    @tool
+    @tool(inline=True)
     def open(self, doc_id: str, offset: int = 0) -> str:
         """Read a document page by page.
 
@@ -223,7 +223,7 @@ class SearchEnv(Env):
         more = f'\n[continues: open(doc_id="{doc.id}", offset={end})]' if end < len(doc.text) else "\n[end of document]"
         return f"{head}\n{doc.text[offset:end].strip()}{more}"
 
-    @tool(terminal=True)
+    @tool(terminal=True, inline=True)
     def answer(self, text: str) -> str:
         """Give the final answer and end the episode.
 

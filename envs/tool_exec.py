@@ -134,7 +134,7 @@ def execute(specs: Mapping[str, ToolSpec], owner: Any, call: ToolCall | ParseErr
     if errors:
         return Observation(f"Error: bad arguments for {spec.name!r}: " + "; ".join(errors) + ".", False, "bad_arguments")
     try:
-        value = _call(spec.fn, owner, args, timeout_s)
+        value = _call(spec.fn, owner, args, None if spec.inline else timeout_s)
     except TimeoutError:
         return Observation(f"Error: tool {spec.name!r} did not finish within {timeout_s:g} s.", False, "timeout")
     except ToolError as exc:

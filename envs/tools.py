@@ -91,6 +91,10 @@ class ToolSpec:
     fn: Callable[..., Any]
     terminal: bool = False
     param_types: dict[str, Any] = field(default_factory=dict, compare=False)
+    inline: bool = False
+    """Run in the caller's thread, without the pooled thread that bounds a call by `tool_timeout_s`
+    (envs/tool_exec.py): for the environments' own tools whose time the environment bounds (an index lookup, a
+    page of a document), where the thread hand-off costs more than the call."""
 
     def schema(self) -> dict[str, Any]:
         """OpenAI function-calling shape: ``{"type": "function", "function": {...}}``."""
@@ -100,15 +104,16 @@ class ToolSpec:
         }
 
 
-def tool(fn: Callable | None = None, *, terminal: bool = False, name: str | None = None):
+def tool(fn: Callable | None = None, *, terminal: bool = False, name: str | None = None, inline: bool = False):
     """Mark a method as a tool; ``@tool`` or ``@tool(terminal=True)``.
 
     A terminal tool ends the episode after it runs; if it returns a number and the
     environment defines no ``reward`` method, that number is the episode's reward.
+    ``inline=True`` runs it without the time limit's thread (`ToolSpec.inline`): only for a tool that cannot hang.
     """
 
     def mark(f: Callable) -> Callable:
-        f.__k3rl_tool__ = tool_spec(f, terminal=terminal, name=name)
+        f.__k3rl_tool__ = tool_spec(f, terminal=terminal, name=name, inline=inline)
         return f
 
     return mark(fn) if fn is not None else mark
@@ -193,7 +198,7 @@ def type_schema(tp: Any, where: str = "") -> dict[str, Any]:
     raise TypeError(f"{where}: type {tp!r} has no JSON schema; use str, int, float, bool, list[...], dict[str, ...], Literal or Optional")
 
 
-def tool_spec(fn: Callable, *, terminal: bool = False, name: str | None = None) -> ToolSpec:
+def tool_spec(fn: Callable, *, terminal: bool = False, name: str | None = None, inline: bool = False) -> ToolSpec:
     """Build a ``ToolSpec`` from a function's signature, type hints and docstring.
 
     Raises ``TypeError`` at definition time for a parameter without a type hint, so a
@@ -224,7 +229,7 @@ def tool_spec(fn: Callable, *, terminal: bool = False, name: str | None = None) 
         properties[pname] = schema
         types_[pname] = hints[pname]
     parameters = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
-    return ToolSpec(tool_name, summary, parameters, fn, terminal, types_)
+    return ToolSpec(tool_name, summary, parameters, fn, terminal, types_, inline)
 
 
 TOOL_PROMPT_STYLES = ("json", "compact", "minimal")

@@ -100,7 +100,7 @@ class LongContextEnv(_FamilyTasks, Env):
         self.cited: list[str] = []
         return render_context(self.current)
 
-    @tool(terminal=True)
+    @tool(terminal=True, inline=True)
     def answer(self, text: str, evidence: list[str] | None = None) -> str:
         """Give the final answer and end the episode.
 

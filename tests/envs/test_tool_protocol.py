@@ -196,6 +196,30 @@ def test_execute_timeout_returns_observation():
     assert run(format_call("slow", {"seconds": 0.0}), timeout=1.0).text == "done"
 
 
+def test_inline_tools_run_in_the_callers_thread_and_others_on_the_pool():
+    """`@tool(inline=True)` (the environments' own bounded tools: search, open, answer) skips the time limit's
+    thread hand-off; every other tool still runs on the pooled thread that enforces tool_timeout_s."""
+    import threading
+
+    from k3rl.envs.search import SearchEnv
+
+    class Where:
+        @T.tool(inline=True)
+        def here(self) -> str:
+            """The name of the thread that ran the call."""
+            return threading.current_thread().name
+
+        @T.tool
+        def there(self) -> str:
+            """The name of the thread that ran the call."""
+            return threading.current_thread().name
+
+    specs = {n: getattr(Where, n).__k3rl_tool__ for n in ("here", "there")}
+    assert execute(specs, Where(), parse(format_call("here")), 5.0).text == threading.current_thread().name
+    assert execute(specs, Where(), parse(format_call("there")), 5.0).text == "k3rl-tool"
+    assert all(getattr(SearchEnv, n).__k3rl_tool__.inline for n in ("search", "open", "answer"))
+
+
 def _random_json(rng: random.Random, depth: int = 0):
     kind = rng.randrange(8 if depth < 3 else 5)
     if kind == 0:

@@ -9,8 +9,9 @@ corpus made of those real passages replicated with perturbed wording (each copy 
 Baselines measured in the same run:
 - raw bm25s: ``bm25s.tokenize`` + ``BM25.retrieve`` on the same passages, one query at a time;
 - the environment: a ``search`` tool call through ``Episode.step`` (parse the call, check the
-  arguments, run the tool on a pooled thread, format ten results), compared with raw bm25s
-  and with ``Corpus.search``.
+  arguments, run the tool inline, format ten results), compared with raw bm25s and with ``Corpus.search``;
+  and the same call run on the pooled thread that enforces ``tool_timeout_s`` (how the search tool ran before
+  issue 31, and how every user tool without ``inline=True`` runs).
 
 Dense: embedding runs at ~22 passages/s on two cores, so only ``--dense-passages`` real
 passages are embedded (their rate gives the estimated build time, marked "est."); the
@@ -30,11 +31,25 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3rl.envs import Budget, Episode, format_call  # noqa: E402
+from k3rl.envs import Budget, Episode, format_call, tool  # noqa: E402
 from k3rl.envs.corpus import Corpus, Document, Passage, chunk_document, index_text  # noqa: E402
 from k3rl.envs.index import BM25Index, BM25Params, DenseIndex, DenseParams  # noqa: E402
 from k3rl.envs.search import SearchEnv  # noqa: E402
 from k3rl.envs.sources import builtin_documents, wiki_records  # noqa: E402
+
+
+class PooledSearchEnv(SearchEnv):
+    """The search tool on the time-limit thread, as every tool without `inline=True` runs (envs/tool_exec.py)."""
+
+    @tool
+    def search(self, query: str, k: int = 5) -> str:
+        """Search the collection and return the best-matching passages with their ids.
+
+        Args:
+            query: keywords describing what to find.
+            k: number of passages to return (1 to 10).
+        """
+        return SearchEnv.search(self, query, k)
 
 
 def timed(fn, queries):
@@ -97,10 +112,16 @@ def bench_corpus(name, docs, passages, queries, dense_vecs, dense_rate, rows):
     r = timed(raw_search, queries)
     c = timed(lambda q: corpus.search(q, 10), queries)
     e = timed(lambda q: episode.step(calls[q]), queries)
+    pooled = Episode(PooledSearchEnv(corpus=corpus), {"question": "q", "answers": ["a"]},
+                     Budget(max_turns=None, max_tool_calls=None, max_observation_tokens=None))
+    for q in queries[:20]:
+        pooled.step(calls[q])
+    p = timed(lambda q: pooled.step(calls[q]), queries)
     n = len(passages)
     rows.append((name, n, "bm25s raw (tokenize+retrieve)", f"{raw_build:.1f}", *r, ""))
     rows.append((name, n, "bm25 Corpus.search", f"{build:.1f}", *c, f"{c[0] / r[0] - 1:+.0%} vs raw"))
     rows.append((name, n, "bm25 env tool call", "", *e, f"{e[0] / r[0] - 1:+.0%} vs raw, {e[0] / c[0] - 1:+.0%} vs Corpus"))
+    rows.append((name, n, "bm25 env tool call, pooled thread", "", *p, f"{p[0] / c[0] - 1:+.0%} vs Corpus (before issue 31)"))
 
     reps = -(-n // len(dense_vecs))
     noise = np.random.default_rng(0).normal(0, 0.02, (reps * len(dense_vecs), dense_vecs.shape[1])).astype(np.float32)

@@ -33,6 +33,7 @@ so a title is copied token for token from a result into the answer.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -48,6 +49,13 @@ from k3rl.envs.search_oracle import SearchOracle
 from k3rl.envs.tools import TOOL_PROMPT_STYLES, ToolError, tool
 
 _CORPORA: dict[str, Corpus] = {}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _quoted(title: str) -> str:
+    """A document title as a JSON string, as search results show it: cached, since the same titles come back in
+    every result list."""
+    return json.dumps(title, ensure_ascii=False)
 
 
 def get_corpus(spec: Corpus | CorpusConfig | str) -> Corpus:
@@ -188,7 +196,7 @@ class SearchEnv(Env):
         lines = [f"Results for {json.dumps(query)}:"]
         for h in hits:
             p = h.passage
-            doc = f" (document {p.doc_id}: {json.dumps(p.title, ensure_ascii=False)})" if p.doc_id != p.id else ""
+            doc = f" (document {p.doc_id}: {_quoted(p.title)})" if p.doc_id != p.id else ""
             text = match_snippet(p.text, query) if self.snippet == "match" else p.text
             text = text if len(text) <= self.snippet_chars else text[: self.snippet_chars] + " …"
             lines.append(f"[{h.rank}] {p.id}{doc}\n{text}")

@@ -11,7 +11,10 @@ for the tiny K3, the same weights with the routed experts run by the per-expert 
 (`kernels/moe/naive.py`, what model/moe.py did before the grouped path) instead of the grouped
 matmuls (`kernels/moe/grouped.py`): the "vs naive experts" column.
 
-    python bench/rollout.py --k3-only  # only the two K3 rows (no Qwen3, no vLLM)
+The tiny K3 is also compared with a dense Qwen3 of its own size (hidden 128, 8 layers, 4 heads, vocabulary
+4096, MLP 384 wide: the K3's active FFN width) on the same native engine: the "K3 ÷ Qwen3" table.
+
+    python bench/rollout.py --k3-only  # only the K3 rows and the same-size Qwen3 (no small Qwen3, no vLLM)
 Episodes/s runs the agent loop against the search environment (each task carries its own
 passages) with a sampling budget of `--max-tokens` per turn; the random models mostly end
 after one turn, so episodes/s measures the loop's overhead around generation.
@@ -209,12 +212,18 @@ def main() -> int:
         print_multi_turn(multi_turn(k3, args.tasks, 2, args.turns, mt_tokens), mt_tokens)
         return 0
     qwen_dir = build_tiny_qwen3(work / "qwen3")
+    # the dense model of the tiny K3's size: hidden 128, 8 layers, 4 heads, vocabulary 4096, MLP 384 wide (what the
+    # K3 runs per token: 2 routed experts + 1 shared of 128, or its dense first layer)
+    same_dir = build_tiny_qwen3(work / "qwen3-k3-size", vocab_size=4096, hidden_size=128, num_layers=8, num_heads=4,
+                                intermediate_size=384)
+    same = TorchEngine.from_pretrained(same_dir, seed=0)
     k3_naive = TorchEngine.from_pretrained(work / "k3", seed=0)
     set_expert_impl(k3_naive.model, "naive")
     qwen_native = TorchEngine.from_pretrained(qwen_dir, seed=0)
     qwen_hf = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).eval()
     qwen_tok = AutoTokenizer.from_pretrained(qwen_dir)
-    engines = [("native", "tiny K3, naive experts", k3_naive, k3.tokenizer), ("native", "tiny K3", k3, k3.tokenizer)]
+    engines = [("native", "tiny K3, naive experts", k3_naive, k3.tokenizer), ("native", "tiny K3", k3, k3.tokenizer),
+               ("native", "Qwen3 of the K3's size", same, AutoTokenizer.from_pretrained(same_dir))]
     if not args.k3_only:
         engines.append(("native", "tiny Qwen3", qwen_native, qwen_tok))
     if not args.no_vllm and not args.k3_only:
@@ -223,7 +232,7 @@ def main() -> int:
         vllm = VLLMEngine(qwen_dir, max_model_len=4096, seed=0)
         engines.append(("vLLM", "tiny Qwen3", vllm, qwen_tok))
 
-    rows = []
+    rows, same_rows = [], []
     for batch in batches:
         prompts = prompts_for(qwen_tok, batch)
         base = None
@@ -231,15 +240,19 @@ def main() -> int:
             base_s, base_tokens = timed(lambda: hf_generate(qwen_hf, qwen_tok, prompts, max_tokens))
             base = base_tokens / base_s
             rows.append(("HF generate (baseline)", "tiny Qwen3", batch, base, 1.0, None))
-        naive = None
+        naive = same_size = None
         for kind, name, engine, tok in engines:
             p = prompts_for(tok, batch)
             seconds, tokens = timed(lambda: engine_generate(engine, p, max_tokens))
             tps = tokens / seconds
             if name == "tiny K3, naive experts":
                 naive = tps
+            if name == "Qwen3 of the K3's size":
+                same_size = tps
             rows.append((kind, name, batch, tps, tps / base if "Qwen3" in name and base else None,
                          tps / naive if name.startswith("tiny K3") and naive else None))
+        k3_tps = next(r[3] for r in rows if r[1] == "tiny K3" and r[2] == batch)
+        same_rows.append((batch, k3_tps, same_size))
     episode_rows = [(kind, name, episodes_per_second(engine, tok, 8, max_tokens)) for kind, name, engine, tok in engines]
 
     print(f"\nGenerated tokens/s, {max_tokens} new tokens per sample, prompts of 32 tokens, 1 thread "
@@ -249,6 +262,11 @@ def main() -> int:
     for kind, name, batch, tps, ratio, vs_naive in rows:
         print(f"| {kind} | {name} | {batch} | {tps:,.0f} | {'' if ratio is None else f'{ratio:.2f}×'} "
               f"| {'' if vs_naive is None else f'{vs_naive:.2f}×'} |")
+    print("\nThe tiny K3 against a dense Qwen3 of its size (hidden 128, 8 layers, vocabulary 4096), native engine\n")
+    print("| batch | tiny K3 tokens/s | same-size Qwen3 tokens/s | K3 ÷ Qwen3 |")
+    print("|---|---|---|---|")
+    for batch, k3_tps, same_tps in same_rows:
+        print(f"| {batch} | {k3_tps:,.0f} | {same_tps:,.0f} | {k3_tps / same_tps:.2f}× |")
     print("\nEpisodes/s, agent loop + search environment, 8 episodes at once\n")
     print("| engine | model | episodes/s |")
     print("|---|---|---|")

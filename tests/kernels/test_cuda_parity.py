@@ -7,6 +7,10 @@ mixed strong and weak decays inside one tile, decays at the lower bound, lengths
 64-token chunk, packed sequences (cu_seqlens), the decode step reading and writing a state pool in place, and
 routings with empty experts. References are computed on the CPU in float64 on the same (rounded) inputs.
 
+The chunked KDA backward multiplies fp32 operands for bf16 inputs too (kernels/kda/chunk_bwd_inter.py `dot_args`):
+with K3RL_KDA_BWD_BF16_DOTS=1 (bf16 operands) the bf16 cases near the bound and with mixed −30/−0.01 decays fail,
+df and dA_log off by 3.6 and 18 (an H200, 2026-12-04).
+
 Tolerances (‖x − ref‖ / ‖ref‖): fp32 1e-3 (the KDA and expert kernels request IEEE fp32 dots for fp32 inputs;
 measured far below on the interpreter, so 1e-3 leaves room only for a different summation order and would catch
 an unintended TF32 path only where it costs more than that); bf16 2e-2 for outputs and 5e-2 for gradients

@@ -6,8 +6,7 @@ Three ways to run the sorted pairs, chosen per call from the expert counts (`str
 - padded: the pairs are placed in an [E, C, d] buffer (C = the largest expert count) and the whole expert
   MLP runs on it as three batched matmuls (`bmm`) and one activation — the fewest operations, so the
   fastest when the buffer is small or nearly full (decoding, balanced routing); exact in any dtype.
-  Padding rows are zeros and are never read back. When at most half the experts have rows (decoding at a
-  small batch: 2 of 8 at batch 1, top-2), only theirs are multiplied.
+  Padding rows are zeros and are never read back.
 - grouped_mm: `torch.nn.functional.grouped_mm` over the sorted rows, one call per projection with the
   group offsets, no padding — for a skewed routing, where the padded buffer would be mostly empty. Used
   where PyTorch has the case: on the CPU float32/bfloat16/float16, on CUDA bfloat16, with rows whose
@@ -106,17 +105,9 @@ def grouped_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     if how == "loop":
         y = expert_loop(zs, plan.counts, w1, w3, w2, act)
     elif how == "padded":
-        counts = plan.counts
-        active = counts.nonzero().flatten()  # [A] experts with rows
-        if active.numel() * 2 <= counts.numel():
-            # few experts chosen (decode at a small batch): multiply only theirs, not E − A empty blocks; the
-            # weights they gather (A·I·d each) cost less than the skipped work, and unchosen experts' gradients
-            # stay zero through index_select's backward
-            counts = counts[active]
-            w1, w3, w2 = (w.index_select(0, active) for w in (w1, w3, w2))
-        expert, slot, capacity = _padded_index(counts, zs.shape[0])
-        buf = zs.new_zeros(w1.shape[0], capacity, zs.shape[1]).index_put((expert, slot), zs)  # [E or A, C, d]
-        h = act(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)))  # [E or A, C, I]
+        expert, slot, capacity = _padded_index(plan.counts, zs.shape[0])
+        buf = zs.new_zeros(w1.shape[0], capacity, zs.shape[1]).index_put((expert, slot), zs)  # [E, C, d]
+        h = act(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)))  # [E, C, I]
         y = torch.bmm(h, w2.transpose(1, 2))[expert, slot]  # [M, d]
     elif how == "grouped_mm":
         h = act(grouped_linear(zs, w1, plan.counts), grouped_linear(zs, w3, plan.counts))  # [M, I]

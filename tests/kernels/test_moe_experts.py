@@ -81,6 +81,9 @@ def test_grouped_equals_naive_and_reference_float64(case, how):
         for w in grads_g[2:]:
             assert torch.count_nonzero(w[case["skip_expert"]]) == 0
             assert torch.count_nonzero(w.sum(dim=(1, 2))) == case["e"] - 1
+    unchosen = sorted(set(range(case["e"])) - set(inputs[1].flatten().tolist()))
+    for w in grads_g[2:]:  # every expert no token chose (one token: 6 of 8) gets zeros, on every path
+        assert torch.count_nonzero(w[unchosen]) == 0
 
 
 @pytest.mark.parametrize("how", HOWS, ids=["auto", "padded", "grouped_mm", "loop"])
@@ -131,7 +134,8 @@ def test_no_tokens_and_unknown_impl():
 
 
 def test_strategy_by_shape():
-    """Decoding shapes take the padded buffer, a skewed small batch grouped_mm, training shapes the loop."""
+    """Decoding shapes take the padded buffer (the loop at batch 1–2), a skewed small batch grouped_mm, training
+    shapes the loop."""
     w1 = torch.zeros(8, 16, 32)
 
     def choice(ids):
@@ -140,6 +144,8 @@ def test_strategy_by_shape():
 
     g = torch.Generator().manual_seed(7)
     assert choice(torch.rand(8, 8, generator=g).topk(2, -1).indices) == "padded"  # batch 8, top-2
+    assert choice(torch.tensor([[3, 5]])) == "loop"  # batch 1, top-2: two experts' matmuls, no padded buffer
+    assert choice(torch.tensor([[3, 5], [5, 0]])) == "loop"  # batch 2 on three experts
     skewed = torch.stack([torch.zeros(150, dtype=torch.long), torch.ones(150, dtype=torch.long)], 1)
     assert choice(skewed) == "grouped_mm"  # 300 pairs on 2 experts: the buffer would be 4× the pairs
     assert choice(torch.rand(4096, 8, generator=g).topk(2, -1).indices) == "loop"

@@ -55,8 +55,11 @@ SUMMARY="$RESULTS/gpu_check.md"
 # (tests/rollout/test_vllm_k3_gpu.py needs vLLM's CUDA build: its wheels exceed what travels to the machine.)
 GPU_TESTS="tests/kernels/test_cuda_parity.py tests/kernels/test_situ.py tests/kernels/test_attn_res_mix.py"
 # step name → time limit (seconds); their sum stays under 8 minutes with the setup
-declare -A STEP_LIMITS=([env]=40 [pytest]=150 [kda_gpu]=${KDA_GPU_LIMIT:-300} [gpu_model]=220)
+declare -A STEP_LIMITS=([env]=40 [pytest]=150 [kda_gpu]=300 [gpu_model]=220)
 read -r -a STEPS <<<"${GPU_CHECK_STEPS:-env pytest kda_gpu gpu_model}"  # GPU_CHECK_STEPS="env gpu_model": a subset
+for s in "${STEPS[@]}"; do
+  [[ -n "${STEP_LIMITS[$s]:-}" ]] || { echo "GPU_CHECK_STEPS: unknown step '$s'; the steps are: env pytest kda_gpu gpu_model" >&2; exit 2; }
+done
 
 # k3rl without installing: the namespace package `k3rl` as links to the repository's top-level folders
 # (what pyproject's package-dir maps), plus the carried wheels unpacked beside it.

@@ -35,12 +35,13 @@ def test_dry_run_passes_its_steps_and_writes_one_summary(tmp_path):
 
 
 def test_a_failing_step_is_recorded_and_fails_the_run(tmp_path):
-    # an unknown step name has no command: bash -c "" passes, so break a real one instead
     proc = run(tmp_path, "--dry-run", GPU_CHECK_STEPS="env", PYTHON="/nonexistent/python")
     assert proc.returncode == 1
     assert re.search(r"^\| env \| fail \(exit \d+\) \|", (tmp_path / "gpu_check.md").read_text(), flags=re.M)
 
 
-def test_bad_flag_is_named(tmp_path):
+def test_bad_flag_and_unknown_step_are_named(tmp_path):
     proc = run(tmp_path, "--wet-run")
     assert proc.returncode == 2 and "usage: bench/gpu_check.sh" in proc.stderr
+    proc = run(tmp_path, "--dry-run", GPU_CHECK_STEPS="env kda_cpu")
+    assert proc.returncode == 2 and "unknown step 'kda_cpu'" in proc.stderr

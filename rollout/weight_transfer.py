@@ -34,10 +34,6 @@ class PackedWeights:
     def __len__(self) -> int:
         return len(self.names)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.nbytes)
-
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) views of the buffer (read-only when it came out of Ray's object store: copy, don't write)."""
         with warnings.catch_warnings():

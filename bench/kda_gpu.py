@@ -4,6 +4,8 @@ Paths compared, on the same inputs:
 - torch: the PyTorch chunked path `kernels.kda.chunk.chunk_kda_torch` (the gate by `kda_gate` before it);
 - ours: `kernels.kda.chunk_kda`, the dispatch entry point, which takes the Triton kernels
   (kernels/kda/chunk_triton.py) on CUDA tensors unless K3RL_DISABLE_TRITON=1; the gate fused (`FusedGate`);
+- ours, bf16 dots: the same with K3RL_KDA_BWD_BF16_DOTS=1 (kernels/kda/chunk_bwd_inter.py `dot_args`), the
+  backward's fast bf16-operand form, kept to time what the default fp32 operands cost;
 - fla: flash-linear-attention's `fla.ops.kda.chunk_kda`, if importable, the gate fused in its kernel
   (`use_gate_in_kernel=True`; with the bound, `lower_bound=-5, safe_gate=True`), whichever of those arguments its
   version has (the gate is computed outside when it lacks them, and the table says so).
@@ -43,6 +45,8 @@ Exit status 1 if our kernels fail a check or `chunk_kda` cannot be imported (the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import datetime
 import gc
 import inspect
@@ -94,6 +98,7 @@ BANDWIDTH = [
 TIME_BUDGET_S = 2.0
 MAX_REPS = 50
 DEVICE = "cuda"
+DEFAULT_PATHS = "ours,ours_bf16dots,fla"  # `torch` is the float64 reference; as a timed path it is slow at 128K
 
 
 # ---------------------------------------------------------------- inputs and paths
@@ -192,6 +197,21 @@ def load_fla():
     return fla_chunk, fla_recurrent, getattr(fla, "__version__", "?"), None
 
 
+@contextlib.contextmanager
+def path_env(env: dict[str, str]):
+    """A path's environment variables, set around its forward and its backward (the kernels read them at launch)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # ---------------------------------------------------------------- correctness
 
 
@@ -202,7 +222,7 @@ def rel_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def check_chunk(run, gate, dtype, seed=0) -> dict:
+def check_chunk(run, gate, dtype, seed=0, env=None) -> dict:
     """Output and input gradients of `run` against torch_chunk in float64 on the same rounded inputs."""
     s = CHECK_SHAPE
     x = make_inputs(s["B"], s["T"], s["H"], s["D"], dtype, seed)
@@ -215,9 +235,10 @@ def check_chunk(run, gate, dtype, seed=0) -> dict:
     row = dict(gate=gate, dtype=str(dtype).replace("torch.", ""), errs={}, error=None)
     try:
         xl = {n: t.detach().clone().requires_grad_(n in names) for n, t in x.items()}
-        o = run(xl, gate)
-        grads = torch.autograd.grad(o, [xl[n] for n in names], do.to(o.dtype), allow_unused=True)
-        sync()
+        with path_env(env or {}):
+            o = run(xl, gate)
+            grads = torch.autograd.grad(o, [xl[n] for n in names], do.to(o.dtype), allow_unused=True)
+            sync()
     except Exception as e:  # a kernel that fails to compile or launch is a failed check, reported, not fatal
         row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
         return row
@@ -281,7 +302,7 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
-def time_case(timer, run, x, gate, mode) -> dict:
+def time_case(timer, run, x, gate, mode, env=None) -> dict:
     """mode 'fwd': forward under no_grad; 'fwdbwd': forward and the gradients of every input."""
     names = leaves_of(gate)
     try:
@@ -296,7 +317,8 @@ def time_case(timer, run, x, gate, mode) -> dict:
             def fn():
                 o = run(xl, gate)
                 torch.autograd.grad(o, [xl[n] for n in names], do)
-        ms, reps = timer(fn)
+        with path_env(env or {}):
+            ms, reps = timer(fn)
         return dict(ms=ms, reps=reps)
     except Exception as e:
         reason = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}"
@@ -495,11 +517,23 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"B×T list (default {DEFAULT_SHAPES})")
+    ap.add_argument("--paths", default=DEFAULT_PATHS,
+                    help=f"chunked paths to check and time, of torch, ours, ours_bf16dots, fla (default {DEFAULT_PATHS})")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode step")
+    ap.add_argument("--stack-every", type=float, default=60.0,
+                    help="print every thread's stack every this many seconds (0: never), so a run cut at its time "
+                         "limit says where it was")
     ap.add_argument("--quick", action="store_true", help="check, then B×T = 1×4096 and the decode step only")
     ap.add_argument("--out", default=str(ROOT / "bench/out"))
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="run every step at tiny shapes on the CPU (Triton interpreted) to test this script")
     args = ap.parse_args(argv)
+    wanted = [p for p in args.paths.split(",") if p]
+    unknown = sorted(set(wanted) - {"torch", "ours", "ours_bf16dots", "fla"})
+    if unknown:
+        ap.error(f"--paths: unknown path(s) {unknown}; the paths are torch, ours, ours_bf16dots, fla")
+    if args.stack_every > 0:
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True)
     if args.smoke_cpu:
         use_smoke_sizes()
         shapes = [(1, 100)]
@@ -521,21 +555,28 @@ def main(argv: list[str] | None = None) -> int:
     chunk_kda, ours_missing = load_ours()
     fla_chunk, fla_recurrent, fla_version, fla_missing = load_fla()
     print(f"fla: {fla_missing or 'version ' + fla_version}")
-    paths = {"torch": (torch_chunk, "")}
+    paths = {}  # name → (run, note, environment)
+    if "torch" in wanted:
+        paths["torch"] = (torch_chunk, "", {})
     if chunk_kda is not None:
-        paths["ours"] = (make_ours_chunk(chunk_kda), "")
+        if "ours" in wanted:
+            paths["ours"] = (make_ours_chunk(chunk_kda), "", {})
+        if "ours_bf16dots" in wanted:
+            paths["ours_bf16dots"] = (make_ours_chunk(chunk_kda), "K3RL_KDA_BWD_BF16_DOTS=1",
+                                      {"K3RL_KDA_BWD_BF16_DOTS": "1"})
     else:
         print(f"ours: MISSING — {ours_missing}")
-    if fla_chunk is not None:
-        paths["fla"] = make_fla_chunk(fla_chunk)
+    if fla_chunk is not None and "fla" in wanted:
+        paths["fla"] = (*make_fla_chunk(fla_chunk), {})
 
     # 1. correctness
     checks, passed = [], {}
-    for path, (run, _) in paths.items():
+    for path, (run, _, env) in paths.items():
         for gate in ("tensor", *GATES):
             for dtype in (torch.float32, torch.bfloat16):
                 started = time.perf_counter()
-                c = check_chunk(run, gate, dtype)
+                print(f"check {path} {gate} {str(dtype).removeprefix('torch.')} ...", flush=True)
+                c = check_chunk(run, gate, dtype, env=env)
                 c["path"] = path
                 checks.append(c)
                 print(f"check {path} {gate} {str(dtype).removeprefix('torch.')}: {'ok' if c['ok'] else 'FAILED'} "
@@ -556,25 +597,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{B}×{T} {gate}: inputs do not fit ({type(e).__name__}); skipped")
                 free_memory()
                 continue
-            for path, (run, note) in paths.items():
+            for path, (run, note, env) in paths.items():
                 row = dict(B=B, T=T, gate=gate, path=path, note=note,
                            floor_ms=forward_floor_bytes(B, T, BENCH_H, BENCH_D) / bw * 1e3)
                 if not passed[(path, gate)]:
                     row["fwd"] = row["fwdbwd"] = dict(ms=None, skipped="check failed")
                 else:
                     for mode in ("fwd", "fwdbwd"):
-                        row[mode] = time_case(timer, run, x, gate, mode)
+                        row[mode] = time_case(timer, run, x, gate, mode, env)
                 print(f"{B}×{T} {gate:8s} {path:6s} fwd {fmt_ms(row['fwd'])} ms, fwd+bwd {fmt_ms(row['fwdbwd'])} ms",
                       flush=True)
                 rows.append(row)
             del x
             free_memory()
-    baseline = "fla" if "fla" in paths else "torch"
+    baseline = "fla" if "fla" in paths else "torch" if "torch" in paths else "ours"
     chunk_md = chunk_table(rows, baseline)
     print(f"\nChunked KDA, H={BENCH_H}, d={BENCH_D}, bf16 ({name}):")
     print(chunk_md)
 
-    decode_checks, decode_rows = run_decode(timer, fla_recurrent, bw)
+    decode_checks, decode_rows = ([], []) if args.no_decode else run_decode(timer, fla_recurrent, bw)
     checks += decode_checks
     decode_md = decode_table(decode_rows)
     print(f"\nDecode step, B={DECODE['B']} T=1 H={DECODE['H']} d={DECODE['D']}, bf16 inputs, fp32 state, lb gate:")

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import datetime
+import faulthandler
 import gc
 import inspect
 import json

@@ -55,8 +55,18 @@ class AttnResProj(nn.Linear):
         super().__init__(dim, 1, bias=False)
 
 
+RECOMPUTE_MODES = ("none", "full", "selective")
+"""Activation recompute in training (`K3Model.set_recompute`): none; `full`, each whole layer recomputed in
+backward (only its input kept); `selective`, only the KDA mixers and the MoE blocks, whose saved tensors are the
+bulk of a layer's (rl/pretrain/cost.py), while norms, AttnRes mixes, MLA and dense FFNs keep theirs."""
+
+
 class K3DecoderLayer(nn.Module):
     """One layer: token mixer (`self_attn`), FFN (`block_sparse_moe` or `mlp`), norms, AttnRes queries."""
+
+    recompute = "none"
+    """`K3Model.set_recompute`'s mode. The KDA mixer and the MoE block keep only their inputs and run again in
+    backward under `selective`, and under `full` inside a cache (without one `full` recomputes the whole layer)."""
 
     def __init__(self, config: K3Config, layer_idx: int) -> None:
         super().__init__()
@@ -80,11 +90,43 @@ class K3DecoderLayer(nn.Module):
         `routing_mask` [B, T] marks the tokens the router counts (model/moe.py `Router.forward`)."""
         x, stream = stream.mixer_input(self.layer_idx, getattr(self, "self_attention_res_proj", None),
                                        getattr(self, "self_attention_res_norm", None))
-        stream = stream.add(self.self_attn(self.input_layernorm(x), step))
+        stream = stream.add(self._mixer(self.input_layernorm(x), step))
         x = self.post_attention_layernorm(stream.mix(getattr(self, "mlp_res_proj", None),
                                                      getattr(self, "mlp_res_norm", None)))
-        ffn = self.block_sparse_moe(x, routed_expert_ids, routing_mask) if self.is_moe else self.mlp(x)
-        return stream.add(ffn)
+        if not self.is_moe:
+            return stream.add(self.mlp(x))
+        if self._recomputing(step):
+            return stream.add(checkpoint(self.block_sparse_moe, x, routed_expert_ids, routing_mask, use_reentrant=False))
+        return stream.add(self.block_sparse_moe(x, routed_expert_ids, routing_mask))
+
+    def _recomputing(self, step: StepInfo) -> bool:
+        """Whether the KDA mixer and MoE block recompute, each on its own."""
+        parts = self.recompute == "selective" or (self.recompute == "full" and step.cache is not None)
+        return parts and self.training and torch.is_grad_enabled()
+
+    def _mixer(self, x: torch.Tensor, step: StepInfo) -> torch.Tensor:
+        """The token mixer; under selective recompute a KDA mixer keeps only x and the cache state it started
+        from. With a cache (segment-recurrent training, rl/train/segments.py) the mixer replaces this layer's
+        entries, so the recompute in backward first puts back the state the forward read, and afterwards the
+        entries the forward wrote (the recomputed ones would hold the recompute's graph alive)."""
+        attn = self.self_attn
+        if not (self._recomputing(step) and isinstance(attn, KimiDeltaAttention)):
+            return attn(x, step)
+        cache, i = step.cache, self.layer_idx
+        if cache is None:
+            return checkpoint(attn, x, step, use_reentrant=False)
+        calls = []
+
+        def run(x: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
+            written = cache.conv[i], cache.recurrent[i]
+            cache.conv[i], cache.recurrent[i] = conv, recurrent
+            out = attn(x, step)
+            if calls:  # the recompute in backward
+                cache.conv[i], cache.recurrent[i] = written
+            calls.append(True)
+            return out
+
+        return checkpoint(run, x, cache.conv[i], cache.recurrent[i], use_reentrant=False)
 
 
 class K3PreTrainedModel(PreTrainedModel):
@@ -138,6 +180,16 @@ class K3Model(K3PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recompute in training, one of RECOMPUTE_MODES. `full` is transformers' gradient checkpointing
+        (`gradient_checkpointing_enable`) of whole layers, which a cache cannot take (MLA writes its latent buffer
+        in place): in segment-recurrent training `full` recomputes what `selective` does."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute: {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        self.gradient_checkpointing = mode == "full"
+        for layer in self.layers:
+            layer.recompute = mode
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
@@ -158,7 +210,7 @@ class K3Model(K3PreTrainedModel):
             ids = None
             if layer.is_moe and routed_expert_ids is not None:
                 ids, moe_idx = routed_expert_ids[:, :, moe_idx], moe_idx + 1
-            if self.gradient_checkpointing and self.training and step.cache is None:
+            if self.gradient_checkpointing and self.training and step.cache is None and torch.is_grad_enabled():
                 stream = checkpoint(layer, stream, step, ids, routing_mask, use_reentrant=False)
             else:
                 stream = layer(stream, step, ids, routing_mask)

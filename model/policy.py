@@ -122,9 +122,21 @@ class Policy:
         weight, scale = self.head()
         return selected_logprobs(hidden, weight, targets, chunk_size, scale, return_entropy=entropy)
 
-    def can_share_prefix(self, gradient_checkpointing: bool) -> bool:
-        """Whether a group's shared prompt can be computed once and branched from in training (`branch_hidden`)."""
+    def can_share_prefix(self, recompute: str) -> bool:
+        """Whether a group's shared prompt can be computed once and branched from in training (`branch_hidden`)
+        under the learner's `recompute` mode."""
         return True
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recompute in training (rl/config/learner.py `recompute`): `none`, `full` (transformers'
+        gradient checkpointing), or `selective`, which only a K3 model has."""
+        if mode == "selective":
+            raise ValueError(f"learner.recompute=selective: {type(self.model).__name__} is not a K3 model; its parts "
+                             "cannot be recomputed apart (use full or none)")
+        if mode == "full":
+            self.model.gradient_checkpointing_enable()
+        elif mode != "none":
+            raise ValueError(f"learner.recompute: {mode!r} is not one of none, full, selective")
 
     def final_hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                      routed_expert_ids: Optional[torch.Tensor] = None,
@@ -202,6 +214,9 @@ class K3Policy(Policy):
     routing_replay = True
     shardable = True
     resumable = True
+
+    def set_recompute(self, mode: str) -> None:
+        self.model.model.set_recompute(mode)  # model/modeling.py RECOMPUTE_MODES
 
     def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None):
         mask = None if attention_mask is None else attention_mask.bool()
@@ -286,9 +301,9 @@ class K3Policy(Policy):
 class HFPolicy(Policy):
     """Any other Hugging Face causal LM: normed last hidden states, its own KV cache, `save_pretrained`."""
 
-    def can_share_prefix(self, gradient_checkpointing: bool) -> bool:
+    def can_share_prefix(self, recompute: str) -> bool:
         # under gradient checkpointing an HF model drops its KV cache in training: no branch to share from
-        return not gradient_checkpointing
+        return recompute == "none"
 
     def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None):
         packed = {} if position_ids is None else {"position_ids": position_ids}

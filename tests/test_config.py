@@ -144,7 +144,7 @@ def test_every_learner_setting_reaches_the_learner_config():
     from k3rl.rl.config import LearnerSettings
     from k3rl.rl.train.learner import LearnerConfig
 
-    values = {"optimizer": "muon", "dtype": "bfloat16", "micro_batch_tokens": 123, "gradient_checkpointing": True,
+    values = {"optimizer": "muon", "dtype": "bfloat16", "micro_batch_tokens": 123, "recompute": "selective",
               "routing_replay": False, "ref_model_path": "/ref", "lr": 0.25, "weight_decay": 0.5, "max_grad_norm": 3.0,
               "adam_beta1": 0.8, "adam_beta2": 0.9, "adam_eps": 1e-6, "muon_momentum": 0.9, "logprob_chunk_size": 7,
               "compute_entropy": True, "lr_scheduler": "cosine", "warmup_steps": 4, "total_steps": 40,
@@ -252,7 +252,7 @@ def test_sft_and_stages_override_the_learner_section():
     cfg = load_config(ROOT / "configs/rl/quickstart.yaml", ["learner.weight_decay=0.3", "sft.learner.max_grad_norm=2"])
     assert learner_overrides(cfg.sft.learner) == {"lr": 3e-3, "lr_scheduler": "cosine", "warmup_steps": 10,
                                                   "weight_decay": 0.0, "max_grad_norm": 2.0,
-                                                  "gradient_checkpointing": False, "logprob_chunk_size": 1024}
+                                                  "recompute": "none", "logprob_chunk_size": 1024}
     cfg = load_config(ROOT / "configs/pretrain/cpu.yaml")
     assert learner_overrides(cfg.pretrain.learner, cfg.pretrain.stages[2].learner) == {
         "weight_decay": 0.1, "max_grad_norm": 1.0, "lr": 1.5e-3, "lr_scheduler": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1,
@@ -352,6 +352,8 @@ def test_k3rl_config_prints_the_values_it_printed_before_apart_from_moved_keys(p
     targets = set()
     for key, value in before.items():
         new = moved_to(key, MOVED_KEYS) or key
+        if key.endswith("gradient_checkpointing"):  # the boolean became `recompute: none|full|selective`
+            value = "full" if value else "none"
         targets.add(new)
         assert new in after, key
         assert after[new] == value, (key, new, value, after[new])

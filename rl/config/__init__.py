@@ -31,6 +31,7 @@ from k3rl.rl.config.sections import (
     Optimizer,
     PartialResume,
     RayConfig,
+    Recompute,
     RLConfig,
     RolloutConfig,
     RunConfig,
@@ -40,7 +41,7 @@ from k3rl.util.yaml_config import ConfigError
 __all__ = [
     "MOVED_KEYS", "AlgoSection", "BadRows", "ConfigError", "DType", "DataSource", "EngineName", "EnvSection", "EvalConfig",
     "EvalJob", "JobConfig", "LRSchedule", "LearnerSection", "LearnerSettings", "Mode", "Optimizer", "OptimizerHandoff",
-    "PartialResume", "PlanConfig", "PretrainConfig", "PretrainJob", "PretrainLearner", "QuickstartJob", "RLConfig",
+    "PartialResume", "PlanConfig", "Recompute", "PretrainConfig", "PretrainJob", "PretrainLearner", "QuickstartJob", "RLConfig",
     "RayConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTJob", "SFTLearner", "StageConfig", "StageLearner",
     "TrainJob", "check_model_code", "learner_overrides", "load_config", "load_model_config", "to_yaml", "validate",
 ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, Optional
 
-from k3rl.rl.config.sections import DType, LRSchedule, Optimizer
+from k3rl.rl.config.sections import DType, LRSchedule, Optimizer, Recompute
 
 
 @dataclass
@@ -44,8 +44,12 @@ class LearnerSettings:
     """R3: replay `Trajectory.routed_experts` on MoE models that accept `routed_expert_ids`."""
     ref_model_path: Optional[str] = None
     """Reference policy for the KL term (algo_args.kl_coef > 0); null: the initial policy."""
-    gradient_checkpointing: bool = False
-    """Recompute each layer's activations in backward (less memory, about a third more compute)."""
+    recompute: Recompute = Recompute["none"]
+    """Activations recomputed in backward instead of kept: `none`; `full`, each whole layer (only its input kept,
+    about a third more compute); `selective` (K3), only the KDA mixers and MoE blocks, the bulk of the saved
+    tensors, while norms, AttnRes, MLA and dense FFNs keep theirs. In segment-recurrent training (`segment_tokens`)
+    `full` recomputes what `selective` does. bench/recompute.py measures the memory; `k3rl pretrain --plan` plans
+    with it."""
     dtype: DType = DType["float32"]
     """Parameter dtype: float32, bfloat16, float16 or float64 (tests). The optimizers update the
     parameters in this dtype (no fp32 master copy); tensors the model keeps in fp32 stay fp32."""
@@ -111,8 +115,8 @@ class SFTLearner:
     """Decoupled weight decay on matrices (as `learner.weight_decay`)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (less memory, slower)."""
+    recompute: Recompute = Recompute["none"]
+    """Activations recomputed in backward (as `learner.recompute`: none, full, selective)."""
     logprob_chunk_size: int = 1024
     """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
 

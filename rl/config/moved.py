@@ -16,7 +16,9 @@ MOVED_KEYS = {
     "rl.num_learners": "learner.num_ranks", "rl.learner_num_cpus": "learner.num_cpus",
     "rl.learner_num_gpus": "learner.num_gpus", "pretrain.num_learners": "learner.num_ranks",
     **{f"sft.{key}": f"sft.learner.{key}" for key in ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                                                      "gradient_checkpointing", "logprob_chunk_size")},
+                                                      "logprob_chunk_size")},
+    "sft.gradient_checkpointing": "sft.learner.recompute", "sft.learner.gradient_checkpointing": "sft.learner.recompute",
+    "learner.gradient_checkpointing": "learner.recompute",
     "pretrain.weight_decay": "pretrain.learner.weight_decay", "pretrain.max_grad_norm": "pretrain.learner.max_grad_norm",
     **{f"pretrain.stages[i].{key}": f"pretrain.stages[i].learner.{key}"
        for key in ("lr", "warmup_steps", "min_lr_ratio", "segment_tokens")},

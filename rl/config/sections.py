@@ -59,6 +59,8 @@ DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "floa
 """The learner's parameter dtype."""
 PartialResume = StrEnum("PartialResume", {"reprefill": "reprefill", "keep_state": "keep_state"})
 """How a paused episode continues under new weights (`rollout.partial_resume`)."""
+Recompute = StrEnum("Recompute", {n: n for n in ("none", "full", "selective")})
+"""Activation recompute in training (model/modeling.py RECOMPUTE_MODES)."""
 LRSchedule = StrEnum("LRSchedule", {n: n for n in ("constant", "constant_with_warmup", "linear", "cosine", "wsd")})
 """The learning-rate schedule over optimizer steps (transformers' schedulers of these names; rl/train/optim.py)."""
 

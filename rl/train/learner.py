@@ -131,8 +131,7 @@ class Learner:
         self.model = self.policy.model
         if cfg.rope_theta is not None:
             self.policy.set_rope_theta(cfg.rope_theta)
-        if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        self.policy.set_recompute(cfg.recompute)
         self.model.train()
         self.policy.check_head()
         bad = self.policy.nonfinite_parameters()

@@ -45,7 +45,7 @@ def make_units(seqs: list[TrainSequence], cfg: Any, policy: Any, device: torch.d
     seqs = [piece for s in seqs for piece in pieces(s, cfg.segment_tokens, policy.segments)]
     units: list[Unit] = []
     rest = list(range(len(seqs)))
-    if share_prefix and policy.can_share_prefix(cfg.gradient_checkpointing):
+    if share_prefix and policy.can_share_prefix(cfg.recompute):
         shared, rest = group_prefixes(seqs, cfg.micro_batch_tokens, cfg.micro_batch_seqs)
         for P, members in shared:
             first = seqs[members[0]]

@@ -168,6 +168,58 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, atol=1e-12, rtol=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("cached", [False, True], ids=["whole", "through_a_cache"])
+def test_recompute_gives_the_same_gradients_and_runs_the_parts_again(mode, cached):
+    """`set_recompute`: the same loss and gradients in float64, whole sequences and a second chunk through a cache
+    (segment-recurrent training's form, whose KDA mixers recompute from the state they started from); each KDA
+    mixer and MoE block runs again in backward (`full` without a cache: the whole layer)."""
+    from k3rl.model.kda import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    model = make_model(dtype=torch.float64, num_hidden_layers=4).train()
+    ids = torch.randint(0, 97, (2, 21))
+    parts = [m for layer in model.model.layers for m in (layer.self_attn, getattr(layer, "block_sparse_moe", None))
+             if isinstance(m, KimiDeltaAttention) or (m is not None and m is getattr(layer, "block_sparse_moe", None))]
+    assert any(isinstance(m, KimiDeltaAttention) for m in parts) and len(parts) > 2
+    calls = [0]
+    for m in parts:
+        m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))  # (recompute can stop early)
+
+    def loss_and_grads():
+        model.zero_grad()
+        calls[0] = 0
+        if cached:  # the first 9 tokens fill the cache without grad, then 12 train through it, state grads too
+            with torch.no_grad():
+                cache = model(ids[:, :9], use_cache=True).cache
+            for i in cache.recurrent:
+                cache.recurrent[i] = cache.recurrent[i].clone().requires_grad_(True)
+            start = dict(cache.recurrent)
+            out = model(ids[:, 9:], cache=cache, labels=ids[:, 9:])
+            end = sum((cache.recurrent[i] ** 2).sum() for i in cache.recurrent)  # the next segment's pull
+            (out.loss + 1e-3 * end).backward()
+            grads = {f"state{i}": s.grad.clone() for i, s in start.items()}
+        else:
+            out = model(ids, labels=ids)
+            out.loss.backward()
+            grads = {}
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return out.loss.item(), grads, calls[0]
+
+    loss0, ref, plain_calls = loss_and_grads()
+    model.model.set_recompute(mode)
+    loss1, got, recompute_calls = loss_and_grads()
+    assert loss1 == pytest.approx(loss0, rel=1e-12)
+    assert set(got) == set(ref)
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n], g, atol=1e-12, rtol=1e-9, msg=n)
+    assert recompute_calls == plain_calls + len(parts)  # every part once more, in backward
+    model.model.set_recompute("none")
+    assert loss_and_grads()[2] == plain_calls
+    with pytest.raises(ValueError, match="recompute: 'some'"):
+        model.model.set_recompute("some")
+
+
 def test_bf16_forward_is_finite_and_keeps_fp32_parameters():
     model = make_model(dtype=torch.float32, num_hidden_layers=4).to(torch.bfloat16)
     kda = model.model.layers[0].self_attn

@@ -452,10 +452,32 @@ def test_k3_padding_micro_batches_and_recompute_do_not_change_update_or_balancin
     for key in [k for k in m1 if k.startswith("maxvio/")] + ["loss", "grad_norm"]:
         assert m1[key] == pytest.approx(m2[key], rel=1e-9, abs=1e-12), key
     assert_same_weights(weights(one), weights(padded), atol=1e-10)
-    # activation checkpointing recomputes the forward inside backward, under the same routing rules
-    recomputed = Learner(k3_cfg(path, dtype="float64", micro_batch_tokens=100_000, gradient_checkpointing=True))
-    assert recomputed.train_step(batch)["maxvio_max"] == pytest.approx(m2["maxvio_max"], rel=1e-12)
-    assert_same_weights(weights(recomputed), weights(padded), atol=1e-10)
+    # activation recompute runs parts of the forward again inside backward, under the same routing rules
+    for mode in ("full", "selective"):
+        recomputed = Learner(k3_cfg(path, dtype="float64", micro_batch_tokens=100_000, recompute=mode))
+        assert recomputed.train_step(batch)["maxvio_max"] == pytest.approx(m2["maxvio_max"], rel=1e-12), mode
+        assert_same_weights(weights(recomputed), weights(padded), atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_k3_recompute_in_segments_and_shared_prefixes_gives_the_same_update(k3_setup, mode):
+    """Segment-recurrent training with a shared prompt (the recipe's long path, rl/train/segments.py) keeps its
+    update and router statistics when the KDA mixers and MoE blocks recompute through the cache."""
+    path, batch = k3_setup
+    kw = dict(dtype="float64", micro_batch_tokens=100_000, segment_tokens=5, share_prefix=True)
+    plain = Learner(k3_cfg(path, **kw))
+    recomputed = Learner(k3_cfg(path, recompute=mode, **kw))
+    calls = {}
+    for learner in (plain, recomputed):
+        for layer in learner.model.model.layers:  # KDA mixer and MoE block calls, the recomputes counted
+            for part in (layer.self_attn, getattr(layer, "block_sparse_moe", None)):
+                if part is not None:
+                    part.register_forward_pre_hook(lambda *_, who=learner: calls.__setitem__(id(who), calls.get(id(who), 0) + 1))
+    m1, m2 = plain.train_step(batch), recomputed.train_step(batch)
+    assert calls[id(recomputed)] > calls[id(plain)], "nothing was recomputed"
+    for key in [k for k in m1 if k.startswith("maxvio/")] + ["loss", "grad_norm"]:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-9, abs=1e-12), key
+    assert_same_weights(weights(recomputed), weights(plain), atol=1e-10)
 
 
 def test_k3_routing_replay_uses_the_recorded_experts(k3_setup):

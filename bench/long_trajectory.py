@@ -15,6 +15,11 @@ and the backward) plus KDA's chunked recurrence at the documented 0.7 µs per to
     python bench/long_trajectory.py                                   # hybrid 16K, 64K (whole sequence at 16K)
     python bench/long_trajectory.py --lengths 262144                  # hybrid at 256K (hours on two cores)
     python bench/long_trajectory.py --kda-only --lengths 65536 262144 1048576 --whole-max 65536
+    python bench/long_trajectory.py --lengths 8192 32768 --whole-max 8192 --segment 2048 --recompute none selective full
+
+`--recompute` (`learner.recompute`, rl/config/learner.py) repeats every row per mode; "over before" is the step's
+peak resident set above the process's resident set just before the step (the activations and the step's transient
+buffers), and the plan's column is rl/pretrain/cost.py's count of the bytes autograd saves for that mode.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ def sgemm_gflops() -> float:
     return 5 * 2 * 2048 ** 3 / (time.perf_counter() - started) / 1e9
 
 
-def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: int) -> dict:
+def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: int, recompute: str = "none") -> dict:
     """One learner step in this process: seconds, peak RSS (GiB), and the floor's seconds."""
     import torch
 
@@ -99,11 +104,14 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     with tempfile.TemporaryDirectory() as tmp:
         save_model(K3ForCausalLM(config), tmp)
         learner = Learner(LearnerConfig(model_path=tmp, lr=1e-5, segment_tokens=segment, share_prefix=False,
-                                        micro_batch_tokens=length + 1))
+                                        micro_batch_tokens=length + 1, recompute=recompute))
     warm = min(length, 2 * segment + 100) if segment else min(length, 4096)  # first calls of each path cost more
     learner.train_step([trajectory(warm + 1, config.vocab_size, every, turn)], advantages=[1.0])
     traj = trajectory(length + 1, config.vocab_size, every, turn)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    import psutil
+
+    rss_before = psutil.Process().memory_info().rss / 2**30
     started = time.perf_counter()
     metrics = learner.train_step([traj], advantages=[1.0])
     seconds = time.perf_counter() - started
@@ -114,20 +122,24 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     lac = config.linear_attn_config
     kda_floor = 4 * KDA_FLOOR_S * length * lac["num_heads"] * len(lac["kda_layers"])
     floor = step_flops(config, length, loss_tokens) / (rate * 1e9) + kda_floor
-    return {"seconds": seconds, "peak_gib": peak, "before_gib": base, "floor_s": floor, "sgemm_gflops": rate,
-            "loss_tokens": loss_tokens}
+    from k3rl.rl.pretrain.cost import activation_bytes
+
+    planned = activation_bytes(config, 1, length, segment, 4, kernels="cpu", recompute=recompute)
+    return {"seconds": seconds, "peak_gib": peak, "before_gib": base, "rss_before_gib": rss_before,
+            "floor_s": floor, "sgemm_gflops": rate, "loss_tokens": loss_tokens,
+            "planned_gib": sum(planned.values()) / 2**30}
 
 
-def run_child(length: int, segment: int | None, args, timeout: float) -> dict:
+def run_child(length: int, segment: int | None, args, timeout: float, recompute: str = "none") -> dict:
     cmd = [sys.executable, __file__, "--child", str(length), str(segment or 0), str(int(args.kda_only)),
-           str(args.every), str(args.turn)]
+           str(args.every), str(args.turn), recompute]
     return run_json_child(cmd, timeout)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         length, segment, kda_only, every, turn = (int(a) for a in sys.argv[2:7])
-        print(json.dumps(measure(length, segment or None, bool(kda_only), every, turn)))
+        print(json.dumps(measure(length, segment or None, bool(kda_only), every, turn, sys.argv[7])))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536])
@@ -137,26 +149,39 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2048, help="context tokens between sampled turns")
     ap.add_argument("--turn", type=int, default=128, help="tokens of a sampled turn (loss mask 1)")
     ap.add_argument("--timeout", type=float, default=8 * 3600)
+    ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "full", "selective"],
+                    help="learner.recompute modes, a row each (the first is the baseline of the last column)")
     args = ap.parse_args()
     model = "tiny KDA-only (4 KDA)" if args.kda_only else "tiny hybrid (3 KDA + 1 MLA)"
     print(f"one learner step (GRPO, fp32, AdamW) on one trajectory, {model}; a {args.turn}-token sampled turn every "
           f"{args.every} tokens; segment {args.segment} tokens; peak = max resident set of a fresh process", flush=True)
-    print("| tokens | path | s | tokens/s | peak RSS GiB | CPU floor s (×) | vs whole (time, peak) |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| tokens | path | recompute | s | tokens/s | peak RSS GiB | over before GiB | plan GiB | CPU floor s (×) | "
+          f"vs whole (time, peak) | vs {args.recompute[0]} (time, over before) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for length in args.lengths:
-        seg = run_child(length, args.segment, args, args.timeout)
-        whole = run_child(length, None, args, args.timeout) if length <= args.whole_max else None
-        for name, r in (("segmented", seg), ("whole", whole)):
-            if r is None:
+        seg_first = None
+        for name, segment in (("segmented", args.segment), ("whole", None)):
+            if segment is None and length > args.whole_max:
                 continue
-            if "error" in r:
-                print(f"| {length:,} | {name} | {r['error']} | | | | |", flush=True)
-                continue
-            ratio = ""
-            if name == "segmented" and whole and "error" not in whole:
-                ratio = f"{r['seconds'] / whole['seconds']:.2f}×, {r['peak_gib'] / whole['peak_gib']:.2f}×"
-            print(f"| {length:,} | {name} | {r['seconds']:.1f} | {length / r['seconds']:,.0f} | {r['peak_gib']:.2f} | "
-                  f"{r['floor_s']:.1f} ({r['seconds'] / r['floor_s']:.1f}×) | {ratio} |", flush=True)
+            first = None
+            for mode in args.recompute:
+                r = run_child(length, segment, args, args.timeout, mode)
+                if "error" in r:
+                    print(f"| {length:,} | {name} | {mode} | {r['error']} | | | | | | | |", flush=True)
+                    continue
+                first = first or r
+                if name == "segmented" and mode == args.recompute[0]:
+                    seg_first = r
+                ratio = mode_ratio = ""
+                if name == "whole" and mode == args.recompute[0] and seg_first is not None:
+                    ratio = (f"segmented: {seg_first['seconds'] / r['seconds']:.2f}×, "
+                             f"{seg_first['peak_gib'] / r['peak_gib']:.2f}×")
+                if r is not first:
+                    over, over0 = r["peak_gib"] - r["rss_before_gib"], first["peak_gib"] - first["rss_before_gib"]
+                    mode_ratio = f"{r['seconds'] / first['seconds']:.2f}×, {over / over0:.2f}×"
+                print(f"| {length:,} | {name} | {mode} | {r['seconds']:.1f} | {length / r['seconds']:,.0f} | "
+                      f"{r['peak_gib']:.2f} | {r['peak_gib'] - r['rss_before_gib']:.2f} | {r['planned_gib']:.2f} | "
+                      f"{r['floor_s']:.1f} ({r['seconds'] / r['floor_s']:.1f}×) | {ratio} | {mode_ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,11 @@ def run_plan(args) -> None:
     states_mixed = s.total * (2 + 4 + 4 + 4 + 4)  # the usual mixed precision: bf16 weights, fp32 grads, master, moments
     routed = s.counts["components"]["moe.routed_experts"]["total"]
     other = s.total - routed
-    L, d, T = config.num_hidden_layers, config.hidden_size, args.micro_batch_tokens
+    T = args.micro_batch_tokens
     saved = sum(activation_bytes(config, 1, T, None, 2).values())  # every layer's saved tensors, no recompute
-    one_layer = saved / L
-    checkpoints = L * T * d * 2 * 2  # per-layer recompute keeps each layer's inputs (stream + AttnRes partial), bf16
-    act = checkpoints + one_layer
+    full = activation_bytes(config, 1, T, None, 2, recompute="full")  # learner.recompute=full
+    checkpoints, one_layer = full["layer_inputs"], full["recompute"]
+    act = sum(full.values())
     print(f"K3 (configs/model/k3.yaml): {s.total / 1e12:.3f}T parameters, routed experts {routed / 1e12:.3f}T, "
           f"the rest {other / 1e9:.1f}B, {s.active / 1e9:.1f}B active per token")
     print(f"learner states: {states_bf16 / 1e12:.1f} TB as this learner keeps them (bf16 weights, gradients, AdamW "
@@ -170,6 +170,20 @@ def run_plan(args) -> None:
         total = per + act
         print(f"{n:>5} {n // 8:>5} {ep:>4} {config.num_experts // ep:>11} {per / GB:>8.1f} GB {total / GB:>11.1f} GB "
               f"{'yes' if total < 0.9 * gpu.memory_bytes else 'no':>5} {states_mixed / n / GB:>20.1f} GB")
+    print(f"\nRL learner step on one long trajectory (one sequence per micro-batch, segment-recurrent at "
+          f"{args.segment // 1024}K tokens past it; activations per GPU as rl/pretrain/cost.py counts them, bf16; "
+          f"GPUs to fit: states sharded over them + activations ≤ 90% of {gpu.memory_bytes / GB:.0f} GB)")
+    print(f"{'length':>8} {'activations: none':>18} {'selective':>10} {'full':>10}   "
+          f"{'GPUs to fit: none':>17} {'selective':>10} {'full':>6}")
+    for length in (8192, 131072, 2**20):
+        seg = args.segment if length > args.segment else None
+        acts = [sum(activation_bytes(config, 1, length, seg, 2, recompute=m).values())
+                for m in ("none", "selective", "full")]
+        need = [math.ceil(states_bf16 / (0.9 * gpu.memory_bytes - a)) if a < 0.9 * gpu.memory_bytes else None
+                for a in acts]
+        print(f"{length // 1024:>7}K {acts[0] / GB:>15.0f} GB {acts[1] / GB:>7.0f} GB {acts[2] / GB:>7.0f} GB   "
+              + " ".join(f"{n if n else '—':>{w}}" for n, w in zip(need, (17, 10, 6))))
+    print("(—: one micro-batch's activations alone exceed a GPU; a shorter segment or context parallelism is needed)")
     mxfp4 = routed * 4.25 / 8 + other * 2  # 4-bit values + one 8-bit scale per 32; the rest bf16
     bf16 = s.total * 2
     mla = len(config.linear_attn_config["full_attn_layers"])
@@ -198,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/model/small.yaml", help="model config measured")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="--plan: tokens per micro-batch")
+    parser.add_argument("--segment", type=int, default=8192, help="--plan: learner.segment_tokens of the long rows")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this process only

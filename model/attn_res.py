@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3rl.kernels.attn_res import attn_res_mix as kernel_attn_res_mix
 
@@ -77,12 +78,13 @@ class ResidualStream:
         """Layer 0 sees the embedding as its only source; it becomes B[0] at the first block write."""
         return cls((), embeddings, block_size)
 
-    def mixer_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None
+    def mixer_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None, recompute: bool = False
                     ) -> tuple[torch.Tensor, ResidualStream]:
-        """Input of layer `layer_idx`'s token mixer (before `input_layernorm`) and the updated stream."""
+        """Input of layer `layer_idx`'s token mixer (before `input_layernorm`) and the updated stream; `recompute`:
+        the mix keeps only its sources (which the stream holds anyway) and runs again in backward."""
         if self.block_size is None:
             return self.partial, self
-        x = attn_res_mix([*self.blocks, self.partial], proj, norm)
+        x = _mix([*self.blocks, self.partial], proj, norm, recompute)
         if layer_idx % self.block_size == 0:
             return x, ResidualStream((*self.blocks, self.partial), None, self.block_size)
         return x, self
@@ -92,8 +94,16 @@ class ResidualStream:
         partial = output if self.partial is None else self.partial + output
         return ResidualStream(self.blocks, partial, self.block_size)
 
-    def mix(self, proj: nn.Linear | None, norm: RMSNorm | None) -> torch.Tensor:
-        """FFN input / final hidden state: Mix(B ∪ {P}) with AttnRes, h without."""
+    def mix(self, proj: nn.Linear | None, norm: RMSNorm | None, recompute: bool = False) -> torch.Tensor:
+        """FFN input / final hidden state: Mix(B ∪ {P}) with AttnRes, h without (`recompute` as `mixer_input`)."""
         if self.block_size is None:
             return self.partial
-        return attn_res_mix([*self.blocks, self.partial], proj, norm)
+        return _mix([*self.blocks, self.partial], proj, norm, recompute)
+
+
+def _mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, recompute: bool) -> torch.Tensor:
+    """attn_res_mix, under `recompute` without its saved tensors (the stacked sources and their fp32 keys, n × d
+    values per token: a fifth of a K3 layer's, rl/pretrain/cost.py) — a weighted sum, cheap to run again."""
+    if not recompute:
+        return attn_res_mix(sources, proj, norm)
+    return checkpoint(lambda *src: attn_res_mix(list(src), proj, norm), *sources, use_reentrant=False)

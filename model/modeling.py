@@ -57,16 +57,17 @@ class AttnResProj(nn.Linear):
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 """Activation recompute in training (`K3Model.set_recompute`): none; `full`, each whole layer recomputed in
-backward (only its input kept); `selective`, only the KDA mixers and the MoE blocks, whose saved tensors are the
-bulk of a layer's (rl/pretrain/cost.py), while norms, AttnRes mixes, MLA and dense FFNs keep theirs."""
+backward (only its input kept); `selective`, only the KDA mixers, the MoE blocks and the AttnRes mixes, whose saved
+tensors are the bulk of a layer's (rl/pretrain/cost.py), while norms, MLA and dense FFNs keep theirs."""
 
 
 class K3DecoderLayer(nn.Module):
     """One layer: token mixer (`self_attn`), FFN (`block_sparse_moe` or `mlp`), norms, AttnRes queries."""
 
     recompute = "none"
-    """`K3Model.set_recompute`'s mode. The KDA mixer and the MoE block keep only their inputs and run again in
-    backward under `selective`, and under `full` inside a cache (without one `full` recomputes the whole layer)."""
+    """`K3Model.set_recompute`'s mode. The KDA mixer, the MoE block and the two AttnRes mixes keep only their
+    inputs and run again in backward under `selective`, and under `full` inside a cache (without one `full`
+    recomputes the whole layer)."""
 
     def __init__(self, config: K3Config, layer_idx: int) -> None:
         super().__init__()
@@ -88,19 +89,20 @@ class K3DecoderLayer(nn.Module):
                 routing_mask: torch.Tensor | None = None) -> ResidualStream:
         """stream → stream after this layer's mixer and FFN; `routed_expert_ids` [B, T, k] replays routing,
         `routing_mask` [B, T] marks the tokens the router counts (model/moe.py `Router.forward`)."""
+        parts = self._recomputing(step)
         x, stream = stream.mixer_input(self.layer_idx, getattr(self, "self_attention_res_proj", None),
-                                       getattr(self, "self_attention_res_norm", None))
+                                       getattr(self, "self_attention_res_norm", None), parts)
         stream = stream.add(self._mixer(self.input_layernorm(x), step))
         x = self.post_attention_layernorm(stream.mix(getattr(self, "mlp_res_proj", None),
-                                                     getattr(self, "mlp_res_norm", None)))
+                                                     getattr(self, "mlp_res_norm", None), parts))
         if not self.is_moe:
             return stream.add(self.mlp(x))
-        if self._recomputing(step):
+        if parts:
             return stream.add(checkpoint(self.block_sparse_moe, x, routed_expert_ids, routing_mask, use_reentrant=False))
         return stream.add(self.block_sparse_moe(x, routed_expert_ids, routing_mask))
 
     def _recomputing(self, step: StepInfo) -> bool:
-        """Whether the KDA mixer and MoE block recompute, each on its own."""
+        """Whether the KDA mixer, MoE block and AttnRes mixes recompute, each on its own."""
         parts = self.recompute == "selective" or (self.recompute == "full" and step.cache is not None)
         return parts and self.training and torch.is_grad_enabled()
 

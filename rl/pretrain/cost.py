@@ -36,6 +36,14 @@ during backward, the LM head's [chunk, V] block and fp32 weight gradient), alloc
 several documents into a row adds: the block-diagonal mask [rows, 1, T, T] each MLA layer builds (1 byte per element
 on the CPU's math path; an additive bias in the activation dtype under CUDA's fused SDPA) and KDA's padding of
 every document to whole 64-token chunks. rl/pretrain/measure.py measures a real step to check these counts.
+
+Recompute (`learner.recompute`, model/modeling.py RECOMPUTE_MODES) trades those bytes for one more forward of what it
+recomputes: `selective` keeps nothing of the KDA mixers, MoE blocks and AttnRes mixes but their inputs (the norms'
+outputs and the stream's sources, already counted) and, during the backward of one of them, that one's tensors
+again (`recompute`: the largest such part);
+`full` without segments keeps only each layer's input (`layer_inputs`: d values per token for each layer's
+output and each AttnRes block sum) and the largest layer's tensors during its recompute; in a segmented stage `full` is `selective` (the
+model's rule: a cache takes no whole-layer recompute).
 """
 
 from __future__ import annotations
@@ -110,9 +118,12 @@ def _mla_bytes(config: Any, rows: int, t: int, keys: int, cached: bool, a: int, 
 
 
 def activation_bytes(config: Any, rows: int, seq_len: int, segment_tokens: Optional[int], dtype_bytes: int,
-                     kernels: str = "cuda") -> dict[str, int]:
+                     kernels: str = "cuda", recompute: str = "none") -> dict[str, int]:
     """Bytes saved for backward by one micro-batch of `rows` rows of `seq_len` tokens, by part (module docstring);
-    `segment_tokens` below seq_len: segment by segment. `dtype_bytes`: the activations' dtype (2: bf16)."""
+    `segment_tokens` below seq_len: segment by segment. `dtype_bytes`: the activations' dtype (2: bf16).
+    `recompute`: none, full or selective (module docstring)."""
+    if recompute not in ("none", "full", "selective"):
+        raise ValueError(f"recompute: {recompute!r} is not one of none, full, selective")
     a = dtype_bytes
     f = max(4, a)  # what the model computes in fp32 (norms, KDA, router, …), fp64 for a fp64 model
     segmented = bool(segment_tokens) and seq_len > segment_tokens
@@ -190,7 +201,30 @@ def activation_bytes(config: Any, rows: int, seq_len: int, segment_tokens: Optio
         put("segment_states", rows * n_seg * n_kda * (3 * P * (W - 1) * a + Hk * K * K * f))
         if n_mla:
             put("segment_latents", 3 * rows * seq_len * n_mla * (config.kv_lora_rank + config.qk_rope_head_dim) * a)
+    if recompute != "none":
+        streams = L + (math.ceil(L / S) if S is not None else 0)  # each layer's output, and AttnRes's block sums
+        _apply_recompute(out, "selective" if segmented else recompute, L, n_kda, n_mla, n_moe, streams * n_q * d * a)
     return {k: int(v) for k, v in out.items()}
+
+
+def _apply_recompute(out: dict[str, float], mode: str, L: int, n_kda: int, n_mla: int, n_moe: int,
+                     input_bytes: float) -> None:
+    """Turn the no-recompute parts `out` into what `mode` keeps (module docstring), in place."""
+    def per_layer(part: str, n: int) -> float:
+        return out.get(part, 0.0) / n if n else 0.0
+
+    if mode == "selective":
+        largest = max(per_layer("kda", n_kda), per_layer("moe", n_moe), per_layer("attn_res", L))
+        out["kda"] = out["moe"] = out["attn_res"] = 0.0
+        out["recompute"] = largest
+        return
+    mixer = max(per_layer("kda", n_kda), per_layer("mla", n_mla))
+    ffn = max(per_layer("moe", n_moe), per_layer("dense_ffn", L - n_moe))
+    largest = mixer + ffn + per_layer("norms", L) + per_layer("attn_res", L)
+    for part in ("kda", "mla", "moe", "dense_ffn", "norms", "attn_res"):
+        out[part] = 0.0
+    out["layer_inputs"] = input_bytes
+    out["recompute"] = largest
 
 
 __all__ = ["CHUNK", "KDA_CORE", "activation_bytes", "forward_flops_per_token"]

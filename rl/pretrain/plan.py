@@ -81,10 +81,16 @@ class StagePlan:
     flops: float
     """Training FLOPs of the stage: flops_per_token × tokens."""
     recompute_flops: float
-    """The extra no-grad forward of a segmented stage (pass 1 of rl/train/segments.py); 0 otherwise."""
+    """The extra no-grad forward of a segmented stage (pass 1 of rl/train/segments.py), plus one forward under
+    `learner.recompute` full or selective (an upper bound for selective); 0 otherwise."""
     activation_bytes: int
-    """Bytes saved for backward by one micro-batch on one rank (+ the segment states of a segmented stage)."""
+    """Bytes saved for backward by one micro-batch on one rank (+ the segment states of a segmented stage), under
+    the learner's `recompute` mode."""
     activation_breakdown: dict[str, int]
+    recompute: str
+    """`learner.recompute` (none, full, selective; rl/pretrain/cost.py)."""
+    activation_by_recompute: dict[str, int]
+    """activation_bytes under each recompute mode."""
     activation_dtype_bytes: int
     """Bytes per activation value (`pretrain.plan.dtype_bytes`); what the model computes in fp32 stays fp32."""
     param_dtype_bytes: int
@@ -143,15 +149,18 @@ def plan(model_config: Any, stages: Sequence[Any], learner: Any, plan: Any, num_
         fwd = forward_flops_per_token(model_config, summary, seq_len)
         per_token = 3 * sum(fwd.values())
         tokens = steps * batch_tokens
-        recompute = sum(fwd.values()) * tokens if segmented else 0.0
-        breakdown = activation_bytes(model_config, mb_rows, seq_len, seg if segmented else None, act_bytes,
-                                     gpu.kernels)
+        mode = str(_setting(learner, "recompute", "none"))
+        recompute = sum(fwd.values()) * tokens * (int(segmented) + int(mode != "none"))
+        by_mode = {m: activation_bytes(model_config, mb_rows, seq_len, seg if segmented else None, act_bytes,
+                                       gpu.kernels, recompute=m) for m in ("none", "selective", "full")}
+        breakdown = by_mode[mode]
         plans.append(StagePlan(
             index=i, seq_len=seq_len, segment_tokens=int(seg) if segmented else None, tokens=tokens, steps=steps,
             batch_tokens=batch_tokens, rows_per_step=rows_per_step, rows_per_rank=rows_per_rank,
             micro_batch_rows=mb_rows, micro_batches=math.ceil(rows_per_rank / mb_rows),
             forward_flops_per_token=fwd, flops_per_token=per_token, flops=per_token * tokens,
             recompute_flops=recompute, activation_bytes=sum(breakdown.values()), activation_breakdown=breakdown,
+            recompute=mode, activation_by_recompute={m: sum(b.values()) for m, b in by_mode.items()},
             activation_dtype_bytes=act_bytes, param_dtype_bytes=param_bytes,
             weight_bytes=weight_bytes, grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
             num_gpus=num_gpus, gpu=gpu.name,
@@ -229,7 +238,8 @@ def format_plan(plans: Sequence[StagePlan], model: str | ParamSummary, cluster: 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, justify in (("stage", "left"), ("seq", "right"), ("segment", "right"), ("tokens", "right"),
                          ("steps", "right"), ("rows/step", "right"), ("micro-batch", "right"),
-                         ("FLOPs/token", "right"), ("FLOPs", "right"), ("activations/rank", "right"),
+                         ("FLOPs/token", "right"), ("FLOPs", "right"),
+                         ("activations/rank", "right"),
                          ("weights+grads+optim", "right"), ("sharded", "right"), ("time", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
     for p in plans:
@@ -294,6 +304,16 @@ def _assumptions(plans: Sequence[StagePlan], gpu: GPU) -> list[str]:
     if act != par:
         lines.append(f"  note: activations are planned at {act} bytes (pretrain.plan.dtype_bytes) but the learner's "
                      f"parameters are {par}-byte")
+    acts = "; ".join(f"{p.index + 1}: " + " / ".join(human_bytes(p.activation_by_recompute[m])
+                                                  for m in ("none", "selective", "full")) for p in plans)
+    lines.append(f"  recompute (learner.recompute: {plans[0].recompute} here; rl/pretrain/cost.py): selective keeps "
+                 f"nothing of the KDA mixers, MoE blocks and AttnRes mixes but their inputs; full keeps each layer's "
+                 f"input, and in a segmented stage recomputes what selective does; either counts one more forward in "
+                 f"FLOPs and time. activations/rank by stage, none / selective / full: {acts}")
+    fits = "; ".join(f"{p.index + 1}: " + " / ".join(
+        str(gpus_to_fit(p, m, gpu) or "—") for m in ("none", "selective", "full")) for p in plans)
+    lines.append(f"  {gpu.name}s to fit (states sharded over them + one micro-batch's activations ≤ {_memory(gpu)}), "
+                 f"by stage, recompute none / selective / full (—: the activations alone do not fit): {fits}")
     over = [p for p in plans if p.activation_bytes + p.optimizer_bytes_sharded > gpu.memory_bytes]
     if over:
         lines.append(f"  does not fit one {gpu.name} ({_memory(gpu)}) even with sharded states: "
@@ -302,6 +322,13 @@ def _assumptions(plans: Sequence[StagePlan], gpu: GPU) -> list[str]:
         lines.append(f"  the replicated states alone exceed one {gpu.name} ({_memory(gpu)}): the "
                      f"run needs sharded states")
     return lines
+
+
+def gpus_to_fit(p: StagePlan, mode: str, gpu: GPU) -> int | None:
+    """The fewest GPUs whose memory holds the stage's states sharded over all of them plus one micro-batch's
+    activations under recompute `mode`; None when the activations alone exceed one GPU."""
+    free = gpu.memory_bytes - p.activation_by_recompute[mode]
+    return math.ceil(p.optimizer_bytes_replicated / free) if free > 0 else None
 
 
 def plan_from_job(cfg: Any) -> tuple[str, list[StagePlan]]:

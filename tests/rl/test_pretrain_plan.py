@@ -195,3 +195,41 @@ def test_plan_from_job_reads_the_model_dir_and_the_ranks(tiny_dir):
     assert plans[0].rows_per_rank == plans[0].rows_per_step // 2
     with pytest.raises(ValueError, match="pretrain.plan.gpu"):
         plan_from_job(load_config(REPO / "configs/pretrain/cpu.yaml", ["pretrain.plan.gpu=tpu"]))
+
+
+def test_recompute_modes_in_the_plan(tiny_dir):
+    """learner.recompute in rl/pretrain/cost.py and the plan: selective drops the KDA, MoE and AttnRes parts for the
+    largest one of them, full keeps each layer's input and the largest layer; a segmented stage takes `full` as
+    `selective` (the model's rule); the configured mode is the one planned, one more forward counted."""
+    from k3rl.model.formats.config_json import read_config
+    from k3rl.rl.config import LearnerSettings, PlanConfig, StageConfig, StageLearner
+    from k3rl.rl.pretrain.cost import activation_bytes
+    from k3rl.rl.pretrain.plan import GPUS, format_plan, gpus_to_fit, plan
+
+    config = read_config(tiny_dir)
+    none, sel, full = (activation_bytes(config, 2, 1024, None, 4, "cpu", recompute=m)
+                       for m in ("none", "selective", "full"))
+    assert activation_bytes(config, 2, 1024, None, 4, "cpu") == none
+    assert sum(full.values()) < sum(sel.values()) < sum(none.values())
+    assert sel["kda"] == sel["moe"] == sel["attn_res"] == 0 and sel["mla"] == none["mla"]
+    assert sel["recompute"] == max(none["kda"] / 3, none["moe"] / 3, none["attn_res"] / 4)  # 3 KDA, 3 MoE, 4 layers
+    assert full["layer_inputs"] == (4 + 2) * 2 * 1024 * config.hidden_size * 4  # 4 layer outputs, 2 block sums
+    assert full["recompute"] > sel["recompute"]
+    seg = {m: activation_bytes(config, 1, 4096, 1024, 4, "cpu", recompute=m) for m in ("selective", "full")}
+    assert seg["full"] == seg["selective"]
+    with pytest.raises(ValueError, match="recompute: 'some'"):
+        activation_bytes(config, 1, 64, None, 4, recompute="some")
+
+    stage = StageConfig(seq_len=1024, tokens=8192, batch_tokens=2048, learner=StageLearner())
+    plans = {m: plan(config, [stage], LearnerSettings(micro_batch_tokens=2048, recompute=m),
+                     PlanConfig(gpu="cpu-2core", num_gpus=1, mfu=0.3, dtype_bytes=4))[0]
+             for m in ("none", "selective", "full")}
+    for m, p in plans.items():
+        assert p.recompute == m and p.activation_bytes == p.activation_by_recompute[m]
+        assert p.recompute_flops == (0 if m == "none" else p.flops / 3)  # one more forward
+    assert plans["full"].activation_bytes == sum(full.values())
+    cpu = GPUS["cpu-2core"]
+    fits = [gpus_to_fit(plans["none"], m, cpu) for m in ("none", "selective", "full")]
+    assert fits[0] >= fits[1] >= fits[2] >= 1
+    text = format_plan(list(plans.values())[:1], "tiny", "cpu-2core")
+    assert "none / selective / full" in text and "to fit" in text

@@ -18,8 +18,8 @@ and the backward) plus KDA's chunked recurrence at the documented 0.7 µs per to
     python bench/long_trajectory.py --lengths 8192 32768 --whole-max 8192 --segment 2048 --recompute none selective full
 
 `--recompute` (`learner.recompute`, rl/config/learner.py) repeats every row per mode; "over before" is the step's
-peak resident set above the process's resident set just before the step (the activations and the step's transient
-buffers), and the plan's column is rl/pretrain/cost.py's count of the bytes autograd saves for that mode.
+own peak resident set (VmHWM reset just before it) above the resident set just before it (the activations and the
+step's transient buffers), and the plan's column is rl/pretrain/cost.py's count of the bytes autograd saves for that mode.
 """
 
 from __future__ import annotations
@@ -109,13 +109,12 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
     learner.train_step([trajectory(warm + 1, config.vocab_size, every, turn)], advantages=[1.0])
     traj = trajectory(length + 1, config.vocab_size, every, turn)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    import psutil
-
-    rss_before = psutil.Process().memory_info().rss / 2**30
+    rss_before = reset_peak_rss()
     started = time.perf_counter()
     metrics = learner.train_step([traj], advantages=[1.0])
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    step_peak = status_gib("VmHWM") if rss_before is not None else None
     assert not metrics["skipped"] and metrics["grad_norm"] > 0, metrics
     loss_tokens = int(traj.loss_mask[1:].sum())
     rate = sgemm_gflops()
@@ -126,14 +125,39 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
 
     planned = activation_bytes(config, 1, length, segment, 4, kernels="cpu", recompute=recompute)
     return {"seconds": seconds, "peak_gib": peak, "before_gib": base, "rss_before_gib": rss_before,
+            "step_peak_gib": step_peak,
             "floor_s": floor, "sgemm_gflops": rate, "loss_tokens": loss_tokens,
             "planned_gib": sum(planned.values()) / 2**30}
+
+
+def status_gib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in GiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2**20
+
+
+def reset_peak_rss() -> float | None:
+    """Reset this process's peak resident set (VmHWM) to its current size (Linux ≥ 4.0: `5` to clear_refs), so the
+    peak read after a step is the step's own; returns the resident set now (GiB), None where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return status_gib("VmRSS")
+    except OSError:
+        return None
 
 
 def run_child(length: int, segment: int | None, args, timeout: float, recompute: str = "none") -> dict:
     cmd = [sys.executable, __file__, "--child", str(length), str(segment or 0), str(int(args.kda_only)),
            str(args.every), str(args.turn), recompute]
     return run_json_child(cmd, timeout)
+
+
+def step_over(r: dict) -> float:
+    """GiB the step's peak resident set rose above the resident set before it (the whole process's peak over it
+    where the peak cannot be reset)."""
+    peak = r.get("step_peak_gib") or r["peak_gib"]
+    return peak - (r.get("rss_before_gib") or r["before_gib"])
 
 
 def main() -> None:
@@ -177,10 +201,10 @@ def main() -> None:
                     ratio = (f"segmented: {seg_first['seconds'] / r['seconds']:.2f}×, "
                              f"{seg_first['peak_gib'] / r['peak_gib']:.2f}×")
                 if r is not first:
-                    over, over0 = r["peak_gib"] - r["rss_before_gib"], first["peak_gib"] - first["rss_before_gib"]
+                    over, over0 = step_over(r), step_over(first)
                     mode_ratio = f"{r['seconds'] / first['seconds']:.2f}×, {over / over0:.2f}×"
                 print(f"| {length:,} | {name} | {mode} | {r['seconds']:.1f} | {length / r['seconds']:,.0f} | "
-                      f"{r['peak_gib']:.2f} | {r['peak_gib'] - r['rss_before_gib']:.2f} | {r['planned_gib']:.2f} | "
+                      f"{r['peak_gib']:.2f} | {step_over(r):.2f} | {r['planned_gib']:.2f} | "
                       f"{r['floor_s']:.1f} ({r['seconds'] / r['floor_s']:.1f}×) | {ratio} | {mode_ratio} |", flush=True)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3rl.kernels.kda import FusedGate, chunk_kda, fused_recurrent_kda
@@ -110,6 +111,44 @@ class KimiDeltaAttention(nn.Module):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
         return A_log, dt + torch.log(-torch.expm1(-dt))
 
+    def _decode_step(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """One decode token per row (x [B, 1, d], no grad): `forward`'s math with the six input projections as one
+        GEMM and the three short convolutions as one window product over the cache's concatenated conv state —
+        a decode step is bound by the number of ops, not their size (bench/README.md, the same-size comparison)."""
+        B, H, K, P = x.shape[0], self.num_heads, self.head_dim, self.num_heads * self.head_dim
+        w_in, w_conv = self._fused_decode_weights()
+        y = F.linear(x[:, 0], w_in)  # [B, 3P + K + H + gate]
+        qkv, f_a, b, g = y.split([3 * P, K, H, y.shape[-1] - 3 * P - K - H], dim=-1)
+        i = self.layer_idx
+        window = torch.cat([cache.conv[i].to(x.dtype), qkv.unsqueeze(-1)], dim=-1)  # [B, 3P, W] raw inputs
+        dtype = torch.promote_types(x.dtype, w_conv.dtype)
+        q, k, v = F.silu((window.to(dtype) * w_conv.to(dtype)).sum(-1)).to(x.dtype).split(P, dim=-1)
+        cache.conv[i] = window[..., 1:].to(cache.dtype)
+        gate_in = FusedGate(self.f_b_proj(f_a).view(B, 1, P), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.to(torch.promote_types(x.dtype, torch.float32)))  # [B, H]
+        o, final = fused_recurrent_kda(q.view(B, 1, H, K), k.view(B, 1, H, K), v.view(B, 1, H, K), gate_in,
+                                       beta.view(B, 1, H), scale=K ** -0.5, initial_state=cache.recurrent[i],
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        cache.recurrent[i] = final.to(cache.state_dtype)
+        gate = g if hasattr(self, "g_proj") else self.g_b_proj(g)  # [B, P]
+        o = self.o_norm(o.reshape(B, 1, H, K).to(x.dtype), gate.view(B, 1, H, K))
+        return self.o_proj(o.reshape(B, 1, P))
+
+    def _fused_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([q; k; v; f_a; b; g or g_a] [3P + K + H + ·, d], [q; k; v] conv taps [3P, W]), concatenated once and
+        again whenever a parameter is replaced or written in place (a weight sync): its version counter moves."""
+        parts = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight, self.b_proj.weight,
+                 self.g_proj.weight if hasattr(self, "g_proj") else self.g_a_proj.weight,
+                 self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        key = tuple((p.data_ptr(), p._version) for p in parts)
+        fused = getattr(self, "_fused_decode", None)
+        if fused is None or fused[0] != key:
+            with torch.no_grad():
+                w_in = torch.cat([p.detach() for p in parts[:6]], dim=0)
+                w_conv = torch.cat([p.detach().squeeze(1) for p in parts[6:]], dim=0)
+            fused = self._fused_decode = (key, w_in, w_conv)
+        return fused[1], fused[2]
+
     def _apply(self, fn, recurse: bool = True):
         # Casts to half types (model.to(bf16), .half()) leave the fp32 gate and conv parameters alone;
         # fp64 (for exactness tests) is allowed.
@@ -127,6 +166,8 @@ class KimiDeltaAttention(nn.Module):
         if step.valid is not None:
             x = torch.where(step.valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
         cache, cu = step.cache, step.cu_seqlens
+        if T == 1 and cu is None and cache is not None and not torch.is_grad_enabled():
+            return self._decode_step(x, cache)
         # Packed documents: the rows laid end to end as one sequence [1, B·T, ·] cut at cu_seqlens.
         rows = (1, B * T) if cu is not None else (B, T)
         conv_state = cache.conv[self.layer_idx] if cache is not None else None  # [B, 3P, W-1]

@@ -115,3 +115,36 @@ def test_unbounded_gate_gradients_finite_with_mixed_decays():
         got, ref = grads[torch.float32][name], grads[torch.float64][name]
         assert torch.isfinite(got).all(), name
         assert (got - ref).norm() / ref.norm() < 1e-3, name
+
+
+@pytest.mark.parametrize("lac", [dict(gate_lower_bound=-5.0), dict(gate_lower_bound=None),
+                                 dict(use_full_rank_gate=False, short_conv_kernel_size=2)])
+def test_fused_decode_step_equals_the_layer_path_and_follows_weight_updates(lac):
+    """A no-grad one-token step (`_decode_step`: one GEMM for the six input projections, one window product for the
+    three convolutions) gives the general path's output and cache (float64, a left-padded row included), and
+    after a weight written in place (a weight sync) it uses the new weight."""
+    cfg, layer = kda_layer(3, **lac)
+    x = torch.randn(3, 12, cfg.hidden_size, dtype=torch.float64)
+    pad = torch.tensor([[True] * 12, [False] * 4 + [True] * 8, [True] * 12])
+
+    def decode(fused: bool, steps=range(9, 12)):
+        cache = K3Cache.create(cfg, 3, capacity=0, dtype=torch.float64)
+        outs = []
+        with torch.no_grad():
+            layer(x[:, :9], make_step((3, 9), "cpu", cache, pad[:, :9].long(), 10**6))
+        cache.commit(9)
+        for t in steps:
+            with torch.set_grad_enabled(not fused):  # grad on: the general path
+                outs.append(layer(x[:, t:t + 1], make_step((3, 1), "cpu", cache, pad[:, :t + 1].long(), 10**6)).detach())
+            cache.commit(1)
+        return torch.cat(outs, 1), cache
+
+    (fused, c1), (plain, c2) = decode(True), decode(False)
+    torch.testing.assert_close(fused, plain, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(c1.conv[0], c2.conv[0], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(c1.recurrent[0], c2.recurrent[0], atol=1e-12, rtol=1e-10)
+    with torch.no_grad():
+        for w in (layer.v_proj.weight, layer.k_conv1d.weight, layer.b_proj.weight):
+            w.mul_(1.5)
+    (fused, _), (plain, _) = decode(True), decode(False)
+    torch.testing.assert_close(fused, plain, atol=1e-12, rtol=1e-10)

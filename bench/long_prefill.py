@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -40,10 +41,12 @@ def tiny_config(length: int, kda_only: bool):
     return type(config)(**values)
 
 
-def run_json_child(cmd: list[str], timeout: float) -> dict:
-    """Run one measurement in a fresh process (so peak memory does not mix); its last stdout line is JSON."""
+def run_json_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run one measurement in a fresh process (so peak memory does not mix), `env` added to its environment; its
+    last stdout line is JSON."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                             env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         return {"error": f"over {timeout:.0f} s"}
     if out.returncode != 0:

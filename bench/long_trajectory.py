@@ -130,6 +130,12 @@ def measure(length: int, segment: int | None, kda_only: bool, every: int, turn: 
             "planned_gib": sum(planned.values()) / 2**30}
 
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+"""glibc in each child: every block over 64 KiB its own mapping, given back when freed, and the heap trimmed, so
+the resident set follows the live tensors instead of what the allocator keeps from an earlier peak (the warm-up
+step's, say); without it the "over before" column measures the allocator, not the step."""
+
+
 def status_gib(field: str) -> float:
     """A memory field of /proc/self/status (VmRSS, VmHWM) in GiB."""
     with open("/proc/self/status") as f:
@@ -150,7 +156,7 @@ def reset_peak_rss() -> float | None:
 def run_child(length: int, segment: int | None, args, timeout: float, recompute: str = "none") -> dict:
     cmd = [sys.executable, __file__, "--child", str(length), str(segment or 0), str(int(args.kda_only)),
            str(args.every), str(args.turn), recompute]
-    return run_json_child(cmd, timeout)
+    return run_json_child(cmd, timeout, env=MALLOC_ENV)
 
 
 def step_over(r: dict) -> float:

@@ -29,16 +29,20 @@ class PackedWeights:
     dtypes: list[str]
     shapes: list[tuple[int, ...]]
     offsets: list[int]
-    buffer: np.ndarray
+    buffer: np.ndarray | torch.Tensor
+    """uint8 bytes: a numpy array (through Ray's object store) or a tensor (a broadcast's, on its device)."""
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) views of the buffer (read-only when it came out of Ray's object store: copy, don't write)."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            flat = torch.from_numpy(self.buffer)
+        if isinstance(self.buffer, torch.Tensor):
+            flat = self.buffer
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                flat = torch.from_numpy(self.buffer)
         for name, dtype, shape, offset in zip(self.names, self.dtypes, self.shapes, self.offsets):
             dt = getattr(torch, dtype)
             n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()

@@ -202,6 +202,19 @@ class RolloutWorker:
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
+    def broadcast_join(self, address: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Join a weight-broadcast group as `rank` (rl/orchestrator/weight_sync.py), leaving the previous one."""
+        from k3rl.rollout.weight_broadcast import BroadcastGroup
+
+        self._broadcast = None
+        self._broadcast = BroadcastGroup(address, rank, world_size, backend, timeout_s)
+
+    def load_broadcast(self, layout: Any, version: int) -> int:
+        """Receive the weights of `layout` from the group's broadcast and load them as `version`."""
+        if getattr(self, "_broadcast", None) is None:
+            raise RuntimeError("load_broadcast: this worker has joined no weight-broadcast group")
+        return self.load_weights(self._broadcast.receive(layout), version)
+
     def load_weights(self, named_tensors: Iterable, version: int) -> int:
         """Load `version`; with keep_state the engine keeps the paused episodes' states (ended episodes have
         dropped theirs) for their next turns to continue."""

@@ -35,6 +35,7 @@ from k3rl.rl.config.sections import (
     RLConfig,
     RolloutConfig,
     RunConfig,
+    WeightSync,
 )
 from k3rl.util.yaml_config import ConfigError
 
@@ -43,5 +44,5 @@ __all__ = [
     "EvalJob", "JobConfig", "LRSchedule", "LearnerSection", "LearnerSettings", "Mode", "Optimizer", "OptimizerHandoff",
     "PartialResume", "PlanConfig", "Recompute", "PretrainConfig", "PretrainJob", "PretrainLearner", "QuickstartJob", "RLConfig",
     "RayConfig", "RolloutConfig", "RunConfig", "SFTConfig", "SFTJob", "SFTLearner", "StageConfig", "StageLearner",
-    "TrainJob", "check_model_code", "learner_overrides", "load_config", "load_model_config", "to_yaml", "validate",
+    "TrainJob", "WeightSync", "check_model_code", "learner_overrides", "load_config", "load_model_config", "to_yaml", "validate",
 ]

@@ -57,6 +57,8 @@ Optimizer = StrEnum("Optimizer", {"adamw": "adamw", "muon": "muon"})
 """The learner's optimizer (rl/train/optim.py)."""
 DType = StrEnum("DType", {n: n for n in ("float32", "bfloat16", "float16", "float64")})
 """The learner's parameter dtype."""
+WeightSync = StrEnum("WeightSync", {"object_store": "object_store", "broadcast": "broadcast"})
+"""How the learner's weights reach the rollout workers (`rollout.weight_sync`)."""
 PartialResume = StrEnum("PartialResume", {"reprefill": "reprefill", "keep_state": "keep_state"})
 """How a paused episode continues under new weights (`rollout.partial_resume`)."""
 Recompute = StrEnum("Recompute", {n: n for n in ("none", "full", "selective")})
@@ -125,6 +127,11 @@ class RolloutConfig:
     """Ray GPUs per rollout worker (run.device=cuda)."""
     max_restarts: int = 10
     """Rollout actors replaced after dying, over the whole run, before the run gives up."""
+    weight_sync: WeightSync = WeightSync["object_store"]
+    """How the learner's weights reach the workers after each step: `object_store` (the learner puts them in Ray's
+    object store once, every worker maps them: rollout/weight_transfer.py) or `broadcast` (one collective over a
+    group of the learner and the workers, NCCL between GPUs and gloo on the CPU: rollout/weight_broadcast.py; the
+    learner waits for every worker to take it)."""
     partial_rounds: int = 0
     """Partial rollouts: model turns per episode in one collection call; an episode still running after them is
     paused at that turn boundary and kept by its worker, which continues it in its next call with the weights

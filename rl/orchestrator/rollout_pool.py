@@ -102,6 +102,9 @@ class RolloutPool:
         self.slots: list[Slot] = []
         self._weights: tuple[int, Any] = (0, None)
         self._remote = ray.remote(RolloutWorker)
+        self.sync = None
+        """rl/orchestrator/weight_sync.py `BroadcastSync` under `rollout.weight_sync: broadcast`; None: pushes go
+        through Ray's object store."""
 
     def state_dict(self) -> dict[str, int]:
         return {"spawned": self.spawned, "restarts": self.restarts, "chunk_counter": self.chunk_counter}
@@ -131,11 +134,17 @@ class RolloutPool:
     def push_weights(self, named_weights: Any, version: int, blocking: bool) -> None:
         """Queue `named_weights` (with `version`) on every actor; `blocking` waits for each to confirm.
         `named_weights` is a list of (name, tensor) or, better, an ObjectRef to one that the learner put itself
-        (rl/train/group.py `LearnerGroup.weights_ref`): then the driver never holds the weights."""
-        ref = named_weights if isinstance(named_weights, ray.ObjectRef) else ray.put(pack_weights(named_weights))
-        self._weights = (version, ref)
-        for slot in self.slots:
-            slot.pushes.append((slot.actor.load_weights.remote(ref, version), version))
+        (rl/train/group.py `LearnerGroup.weights_ref`): then the driver never holds the weights.
+        With a broadcast `sync` the learner sends the weights itself and `named_weights` is not used."""
+        if self.sync is not None:
+            self._weights = (version, None)
+            confirmations = self.sync.push(self.actors, version)
+        else:
+            ref = named_weights if isinstance(named_weights, ray.ObjectRef) else ray.put(pack_weights(named_weights))
+            self._weights = (version, ref)
+            confirmations = [slot.actor.load_weights.remote(ref, version) for slot in self.slots]
+        for slot, confirmation in zip(self.slots, confirmations):
+            slot.pushes.append((confirmation, version))
             slot.version = version
         if blocking:
             for slot in self.slots:
@@ -143,6 +152,8 @@ class RolloutPool:
                     self._confirm(slot)
                 except RayActorError as e:
                     self._replace(slot, e)
+            if self.sync is not None:
+                self.sync.wait()
 
     def _confirm(self, slot: Slot) -> None:
         for ref, version in slot.pushes:
@@ -162,7 +173,16 @@ class RolloutPool:
         self.lost += [h.task for h in slot.held.values()]
         slot.actor, slot.pushes, slot.version, slot.chunk, slot.held = self._spawn(), [], 0, None, {}
         version, ref = self._weights
-        if ref is not None:
+        if self.sync is not None and version > 0:
+            # a new member: the group forms again with it, and every worker takes the current version once more
+            for other, confirmation in zip(self.slots, self.sync.push(self.actors, version)):
+                other.pushes.append((confirmation, version))
+            slot.version = version
+            try:
+                self._confirm(slot)
+            except RayActorError as e:
+                self._replace(slot, e)
+        elif ref is not None:
             slot.pushes.append((slot.actor.load_weights.remote(ref, version), version))
             slot.version = version
             try:

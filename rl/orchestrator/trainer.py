@@ -220,6 +220,9 @@ class Trainer:
                 if self.grid is not None:
                     self.grid.forget_after(self.step)
                 self.restored_trajectories = self.buffer.num_trajectories
+            if ro.weight_sync == "broadcast":
+                gpus = cfg.run.device.startswith("cuda") and ro.num_gpus > 0 and ln.num_gpus > 0
+                self.pool.sync = self.learner.weight_broadcast("nccl" if gpus else "gloo")
             self.pool.start()
             if self.version > 0:
                 self._push_weights(blocking=True)
@@ -259,7 +262,7 @@ class Trainer:
 
     def _push_weights(self, blocking: bool) -> None:
         """The learner's weights (with its version) to every rollout worker; `blocking` waits for each."""
-        self.pool.push_weights(self.learner.weights_ref(), self.version, blocking)
+        self.pool.push_weights(None if self.pool.sync else self.learner.weights_ref(), self.version, blocking)
 
     def train(self) -> Path:
         """Run the remaining steps; write the plots; release the actors. Returns the run directory."""

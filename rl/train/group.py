@@ -38,6 +38,8 @@ class LearnerWorker:
         torch.set_num_threads(max(1, num_threads))
         self.learner: Optional[Learner] = None
         self._pack_buffer = None
+        self._broadcast = None  # rollout/weight_broadcast.py BroadcastGroup, rank 0 of it (rollout.weight_sync)
+        self._packed = None
 
     def address(self) -> tuple[str, int]:
         return parallel.node_address(), parallel.free_port()
@@ -71,6 +73,35 @@ class LearnerWorker:
         packed = pack_weights(named, reuse=self._pack_buffer)
         self._pack_buffer = packed.buffer  # ray.put has copied it into the store: free to refill next push
         return [ray.put(packed)]
+
+    def broadcast_address(self) -> str:
+        """"host:port" for a weight-broadcast group's store on this rank's node (rl/orchestrator/weight_sync.py)."""
+        return f"{parallel.node_address()}:{parallel.free_port()}"
+
+    def broadcast_join(self, address: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        from k3rl.rollout.weight_broadcast import BroadcastGroup
+
+        self._broadcast = None  # the previous group (its members changed)
+        self._broadcast = BroadcastGroup(address, rank, world_size, backend, timeout_s)
+
+    def broadcast_pack(self):
+        """Pack the weights for the next `broadcast_send` and return their layout (rank 0; None on other ranks of a
+        sharded group, which take part in gathering them)."""
+        from k3rl.rollout.weight_broadcast import WeightLayout
+
+        named = self.learner.named_weights(copy=False)
+        if not named:
+            return None
+        self._packed = pack_weights(named, reuse=self._pack_buffer)
+        self._pack_buffer = self._packed.buffer
+        return WeightLayout.of(self._packed)
+
+    def broadcast_send(self) -> None:
+        """Broadcast what `broadcast_pack` packed; returns when every worker of the group has received it."""
+        packed, self._packed = self._packed, None
+        if packed is None:
+            raise RuntimeError("broadcast_send: nothing packed (call broadcast_pack first)")
+        self._broadcast.send(packed)
 
     def save_into(self, directory: str) -> None:
         self.learner.save_into(directory)
@@ -146,6 +177,12 @@ class LearnerGroup:
         if self.sharded:
             return ray.get([a.named_weights.remote() for a in self.actors])[0]
         return ray.get(self.actors[rank].named_weights.remote())
+
+    def weight_broadcast(self, backend: str, timeout_s: float = 600.0):
+        """A `BroadcastSync` from this group's rank 0 to rollout workers (rl/orchestrator/weight_sync.py)."""
+        from k3rl.rl.orchestrator.weight_sync import BroadcastSync
+
+        return BroadcastSync(self.actors, self.sharded, backend, timeout_s)
 
     def weights_ref(self):
         """`named_weights` as a Ray object put by the learner actor itself: an ObjectRef the rollout pool hands to

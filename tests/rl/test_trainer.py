@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from k3rl.rl.metrics import MetricsLogger, plot, read_metrics, wilson_interval
 from k3rl.rl.orchestrator.buffer import TrajectoryBuffer
@@ -407,6 +408,47 @@ def test_killed_rollout_actor_is_replaced_and_its_tasks_collected(ray_cluster, t
     # 4 steps × 2 tasks = one pass over the 8 training tasks: each trained exactly once, with its
     # whole group, so the tasks in flight on the killed worker were collected again
     assert trained_tasks(rows) == Counter({f"t{i}": 2 for i in range(8)})
+
+
+@pytest.mark.ray
+def test_broadcast_weight_sync_reaches_every_engine_and_forms_again_after_a_replacement(
+        ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
+    """`rollout.weight_sync: broadcast` (rl/orchestrator/weight_sync.py): after every step each engine holds the
+    learner's version and exactly its weights (every tensor compared); a killed worker is replaced, the group forms
+    again with the new one, and the run continues."""
+    from k3rl.rl.config import WeightSync
+    from k3rl.rl.orchestrator.trainer import Trainer
+
+    ray = ray_cluster
+    checked, killed, actors = [], [], []
+
+    def engine_weights(worker):
+        return ray.get(worker.__ray_call__.remote(
+            lambda self: {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}))
+
+    def check(trainer, result):
+        learner = dict(trainer.learner.named_weights())
+        for worker in trainer.worker_actors:
+            assert ray.get(worker.health.remote())["version"] == trainer.version == result.step
+            held = engine_weights(worker)
+            assert set(learner) <= set(held)
+            for name, tensor in learner.items():
+                assert torch.equal(held[name], tensor.to(held[name].dtype)), name
+        checked.append((result.step, trainer.pool.sync.formed))
+        actors.append(trainer.worker_actors[0])
+        if result.step == 1:
+            killed.append(trainer.worker_actors[0])
+            ray.kill(trainer.worker_actors[0], no_restart=True)
+
+    cfg = job(tmp_path, tiny_qwen3_dir, task_files, "broadcast", steps=2, save_every=0, eval_every=0,
+              max_new_tokens=8)
+    cfg.rollout.weight_sync = WeightSync["broadcast"]
+    trainer = Trainer(cfg, callbacks=[check])
+    trainer.train()
+    assert checked == [(1, 1), (2, 2)]  # formed at the first push, again with the replacement
+    assert killed and actors[-1] != killed[0]
+    rows = [r for r in read_metrics(trainer.run_dir) if r["step"] > 0]
+    assert rows[-1]["workers/restarts"] == 1
 
 
 # ---- subprocess runs

@@ -10,7 +10,9 @@ timed from the request until every engine confirms. Paths, in the same run:
   * Ray, via the driver (before issue 31): the driver `ray.get`s the learner actor's tensors, `ray.put`s them again,
     and hands the reference to every engine;
   * Ray, learner-put (now: rl/train/group.py `LearnerGroup.weights_ref`): the learner actor `ray.put`s its own
-    tensors; the driver passes the reference on and never holds the weights.
+    tensors; the driver passes the reference on and never holds the weights;
+  * broadcast (gloo) (`rollout.weight_sync: broadcast`, rl/orchestrator/weight_sync.py): the learner actor sends
+    its packed buffer to every engine by one collective over TCP (NCCL between GPUs; this box has none).
 After the timed syncs each engine's weights are compared with the learner's (bitwise), so a path that skipped a
 tensor fails here. Median of `--reps` syncs after one warm-up.
 
@@ -57,6 +59,14 @@ class EngineActor:
     def state(self) -> dict:
         return {n: t.clone() for n, t in self.engine.model.state_dict().items()}
 
+    def broadcast_join(self, address: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        from k3rl.rollout.weight_broadcast import BroadcastGroup  # as rollout/worker.py's RolloutWorker
+
+        self.group = BroadcastGroup(address, rank, world_size, backend, timeout_s)
+
+    def load_broadcast(self, layout, version: int) -> int:
+        return self.load_weights(self.group.receive(layout), version)
+
 
 def build(model: str, directory: Path) -> Path:
     cfg = load_config(ROOT / f"configs/model/{model}.yaml", [], JobConfig)
@@ -89,6 +99,13 @@ def measure(model_dir: Path, workers: int, reps: int) -> dict:
 
     rows["Ray, via the driver"] = median_ms(lambda: push(ray.put(group.named_weights())), reps)
     rows["Ray, learner-put"] = median_ms(lambda: push(group.weights_ref()), reps)
+    sync = group.weight_broadcast("gloo")
+
+    def broadcast():
+        ray.get(sync.push(engines, 1))
+        sync.wait()
+
+    rows["broadcast (gloo)"] = median_ms(broadcast, reps)  # the last path: the check below is on its result
     want = dict(group.named_weights())
     for e in engines:
         got = ray.get(e.state.remote())

@@ -143,6 +143,11 @@ def run_grid(cfg: Any) -> Path:
                     rate = sum(r["success"] for r in mine) / max(1, len(mine))
                     progress.update(bar, advance=len(batch), cell=f"{name} {batch[0].cell.name}",
                                     score=f"success {rate:.2f} on {len(mine)}")
+                    if i + ev.batch_size >= len(tasks) and not progress.console.is_terminal:
+                        # a captured log (a file, CI) gets no live bar: one line per finished cell instead
+                        print(f"eval {name} {batch[0].cell.name}: success {rate:.2f} on {len(mine)} "
+                              f"[{time.perf_counter() - started:.0f} s, {progress.tasks[0].completed}/{total}]",
+                              flush=True)
     finally:
         writer.close()
     result = {"config": {"families": list(ev.families), "serve": list(ev.serve), "lengths": list(ev.context_lengths),

@@ -9,6 +9,7 @@ gives error rows while the rest runs; bad configs are named before anything is w
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -73,7 +74,10 @@ def test_an_interrupted_eval_continues_without_repeating_or_losing_a_task(first_
     text = "".join(json.dumps(r) + "\n" for r in kept) + json.dumps(rows[10])[:40]  # a torn last line
     (out / "tasks.jsonl").write_text(text)
     assert run(tmp_path, k3_dir) == 0
-    assert "resuming: 10 finished task rows kept" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resuming: 10 finished task rows kept" in printed
+    # not a terminal: a line per finished cell instead of the live bar (runner, cell, success so far, progress)
+    assert re.search(r"^eval oracle needle/context/1024: success 1\.00 on 3 \[\d+ s, \d+/\d+\]$", printed, re.M), printed
     again = read_rows(out / "tasks.jsonl")
     assert len(again) == len(rows) and again[:10] == kept
     assert sorted((r["runner"], r["task_id"]) for r in again) == sorted((r["runner"], r["task_id"]) for r in rows)

@@ -40,6 +40,7 @@ from timing import median_ms  # noqa: E402  (bench/timing.py)
 from k3rl.rl.config import JobConfig, RayConfig, load_config  # noqa: E402
 from k3rl.rl.orchestrator.cluster import init_ray  # noqa: E402
 from k3rl.rl.orchestrator.sft import init_model  # noqa: E402
+from k3rl.rl.orchestrator.weight_sync import BroadcastSync  # noqa: E402
 from k3rl.rl.train.group import LearnerGroup  # noqa: E402
 from k3rl.rl.train.learner import Learner, LearnerConfig  # noqa: E402
 from k3rl.rollout.torch_engine import TorchEngine  # noqa: E402
@@ -99,7 +100,7 @@ def measure(model_dir: Path, workers: int, reps: int) -> dict:
 
     rows["Ray, via the driver"] = median_ms(lambda: push(ray.put(group.named_weights())), reps)
     rows["Ray, learner-put"] = median_ms(lambda: push(group.weights_ref()), reps)
-    sync = group.weight_broadcast("gloo")
+    sync = BroadcastSync(group.actors, group.sharded, "gloo")
 
     def broadcast():
         ray.get(sync.push(engines, 1))

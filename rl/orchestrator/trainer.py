@@ -124,6 +124,7 @@ from k3rl.rl.orchestrator.preflight import check_job, check_resources
 from k3rl.rl.orchestrator.rollout_pool import RolloutPool
 from k3rl.rl.orchestrator.step_metrics import step_metrics
 from k3rl.rl.orchestrator.tasks import job_tasks
+from k3rl.rl.orchestrator.weight_sync import BroadcastSync
 from k3rl.rollout.worker import WorkerSpec
 
 
@@ -222,7 +223,7 @@ class Trainer:
                 self.restored_trajectories = self.buffer.num_trajectories
             if ro.weight_sync == "broadcast":
                 gpus = cfg.run.device.startswith("cuda") and ro.num_gpus > 0 and ln.num_gpus > 0
-                self.pool.sync = self.learner.weight_broadcast("nccl" if gpus else "gloo")
+                self.pool.sync = BroadcastSync(self.learner.actors, self.learner.sharded, "nccl" if gpus else "gloo")
             self.pool.start()
             if self.version > 0:
                 self._push_weights(blocking=True)

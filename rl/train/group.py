@@ -178,12 +178,6 @@ class LearnerGroup:
             return ray.get([a.named_weights.remote() for a in self.actors])[0]
         return ray.get(self.actors[rank].named_weights.remote())
 
-    def weight_broadcast(self, backend: str, timeout_s: float = 600.0):
-        """A `BroadcastSync` from this group's rank 0 to rollout workers (rl/orchestrator/weight_sync.py)."""
-        from k3rl.rl.orchestrator.weight_sync import BroadcastSync
-
-        return BroadcastSync(self.actors, self.sharded, backend, timeout_s)
-
     def weights_ref(self):
         """`named_weights` as a Ray object put by the learner actor itself: an ObjectRef the rollout pool hands to
         every worker (rl/orchestrator/rollout_pool.py `push_weights`), so the weights never pass through the driver."""

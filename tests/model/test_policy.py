@@ -46,7 +46,12 @@ def test_one_class_per_family_with_its_capabilities(policy, tmp_path):
     k3 = policy.is_k3
     assert type(policy) is (K3Policy if k3 else HFPolicy) and type(Policy(policy.model)) is type(policy)
     assert (policy.segments, policy.routing_replay, policy.shardable, policy.resumable) == (k3,) * 4
-    assert policy.can_share_prefix(False) and policy.can_share_prefix(True) == k3
+    assert policy.can_share_prefix("none") and policy.can_share_prefix("full") == k3
+    with pytest.raises(ValueError, match="recompute: 'some'"):
+        policy.set_recompute("some")
+    if not k3:  # only a K3 has parts to recompute apart
+        with pytest.raises(ValueError, match="recompute=selective: .* is not a K3 model"):
+            policy.set_recompute("selective")
     if k3:
         policy.model.config.mla_use_nope = False
         policy.set_rope_theta(640000.0)

@@ -81,8 +81,18 @@ def grid_tasks(cfg: Any) -> list[dict[str, Any]]:
     return out
 
 
+GRID_ANSWER_TOKENS = 1024
+"""Tokens the in-training grid allows past its longest cell for the episode's turns (configs/longctx/eval.yaml:
+16K cells in a 17,408-token context)."""
+
+
 class EvalGrid:
-    """The in-training grid of one run: `due(step)`, `run(step, learner, logger)` → the step's scalars."""
+    """The in-training grid of one run: `due(step)`, `run(step, learner, logger)` → the step's scalars.
+
+    Its context limit is the training one (`rollout.max_context_tokens`) or, when the grid is longer than what the
+    run trains on (a length curriculum's short stage), its longest cell + GRID_ANSWER_TOKENS: a cell is never an
+    error row just because the run trains at a shorter length. `k3rl eval` gives the same numbers with
+    `rollout.max_context_tokens` set to `max_context_tokens`."""
 
     def __init__(self, cfg: Any, run_dir: Path):
         from omegaconf import OmegaConf
@@ -92,6 +102,8 @@ class EvalGrid:
         num_tasks = ev.num_tasks if ev.grid_num_tasks is None else ev.grid_num_tasks
         self.cfg = OmegaConf.merge(cfg, {"eval": {"num_tasks": int(num_tasks), "model_path": str(cfg.rl.model_path)}})
         self.root = Path(run_dir) / GRID_DIR
+        self.max_context_tokens = max(int(cfg.rollout.max_context_tokens),
+                                      max(ev.context_lengths, default=0) + GRID_ANSWER_TOKENS)
 
     @classmethod
     def for_job(cls, cfg: Any, run_dir: Path, tasks: Any) -> tuple[Optional[EvalGrid], list[str]]:
@@ -151,7 +163,7 @@ class EvalGrid:
         cfg = OmegaConf.merge(self.cfg, {"eval": {"baselines": self.baselines if step == 0 else []}})
         ro = cfg.rollout
         with _paused(logger):
-            eval_model_grid(cfg, model, out, list(cfg.eval.context_lengths), max_context_tokens=int(ro.max_context_tokens),
+            eval_model_grid(cfg, model, out, list(cfg.eval.context_lengths), max_context_tokens=self.max_context_tokens,
                             max_position_embeddings=cfg.eval.max_position_embeddings, engine=str(ro.engine))
         if step > 0:
             shutil.rmtree(model)

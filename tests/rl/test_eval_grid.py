@@ -182,3 +182,27 @@ def test_success_by_step_and_its_heatmap_from_results_files(tmp_path):
     assert heatmap_by_step(tmp_path / "none", tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
     EvalGrid(job(tmp_path, tmp_path / "model", "resumed"), tmp_path).forget_after(10)
     assert sorted(p.name for p in root.iterdir()) == ["step_000000", "step_000010"]
+
+
+def test_the_grid_context_covers_its_longest_cell_when_training_is_shorter(tmp_path, monkeypatch):
+    """A length curriculum's short stage (rollout.max_context_tokens 5120) with its grid at 8K and 16K: the grid runs
+    at its own limit (longest cell + GRID_ANSWER_TOKENS), not the training one (every cell used to be an error row:
+    'prompt of 8115 tokens … exceeds the context limit 5120'); a limit above that is kept."""
+    import k3rl.rl.eval.grid as grid_module
+    from k3rl.rl.orchestrator.eval_grid import GRID_ANSWER_TOKENS, EvalGrid
+
+    seen = []
+
+    def fake_grid(cfg, model, out, lengths, *, max_context_tokens, **kw):
+        seen.append((list(lengths), max_context_tokens))
+        (out / "results.json").write_text(json.dumps({"cells": [], "effective_lengths": []}))
+
+    monkeypatch.setattr(grid_module, "eval_model_grid", fake_grid)
+    short = EvalGrid(job(tmp_path, tmp_path / "model", "short", "rollout.max_context_tokens=5120",
+                         "eval.context_lengths=[8192,16384]"), tmp_path / "a")
+    assert short.max_context_tokens == 16384 + GRID_ANSWER_TOKENS
+    short.run(0, learner=None)
+    assert seen == [([8192, 16384], 16384 + GRID_ANSWER_TOKENS)]
+    long = EvalGrid(job(tmp_path, tmp_path / "model", "long", "rollout.max_context_tokens=65536",
+                        "eval.context_lengths=[8192]"), tmp_path / "b")
+    assert long.max_context_tokens == 65536

@@ -155,6 +155,7 @@ class RolloutWorker:
                               env_name=spec.env)
         self.started = time.time()
         self.episodes = 0
+        self._broadcast = None  # rollout/weight_broadcast.py BroadcastGroup once `broadcast_join` ran
         self._held: dict[str, dict[int, Any]] = {}
         """Group id → sample index → its `PausedEpisode` or, once ended, its `Trajectory` (partial rollouts)."""
 
@@ -211,7 +212,7 @@ class RolloutWorker:
 
     def load_broadcast(self, layout: Any, version: int) -> int:
         """Receive the weights of `layout` from the group's broadcast and load them as `version`."""
-        if getattr(self, "_broadcast", None) is None:
+        if self._broadcast is None:
             raise RuntimeError("load_broadcast: this worker has joined no weight-broadcast group")
         return self.load_weights(self._broadcast.receive(layout), version)
 

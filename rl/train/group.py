@@ -67,12 +67,18 @@ class LearnerWorker:
         `[ref]`, other ranks of a sharded group `[None]`."""
         import ray
 
+        packed = self._pack()
+        return [None if packed is None else ray.put(packed)]  # the store copies it: the buffer can be refilled
+
+    def _pack(self):
+        """The weights packed into this rank's reused buffer (rollout/weight_transfer.py); None on the ranks of a
+        sharded group other than 0, which only take part in gathering them."""
         named = self.learner.named_weights(copy=False)
         if not named:
-            return [None]
+            return None
         packed = pack_weights(named, reuse=self._pack_buffer)
-        self._pack_buffer = packed.buffer  # ray.put has copied it into the store: free to refill next push
-        return [ray.put(packed)]
+        self._pack_buffer = packed.buffer
+        return packed
 
     def broadcast_address(self) -> str:
         """"host:port" for a weight-broadcast group's store on this rank's node (rl/orchestrator/weight_sync.py)."""
@@ -89,12 +95,8 @@ class LearnerWorker:
         sharded group, which take part in gathering them)."""
         from k3rl.rollout.weight_broadcast import WeightLayout
 
-        named = self.learner.named_weights(copy=False)
-        if not named:
-            return None
-        self._packed = pack_weights(named, reuse=self._pack_buffer)
-        self._pack_buffer = self._packed.buffer
-        return WeightLayout.of(self._packed)
+        self._packed = self._pack()
+        return None if self._packed is None else WeightLayout.of(self._packed)
 
     def broadcast_send(self) -> None:
         """Broadcast what `broadcast_pack` packed; returns when every worker of the group has received it."""

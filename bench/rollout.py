@@ -20,11 +20,18 @@ passages) with a sampling budget of `--max-tokens` per turn; the random models m
 after one turn, so episodes/s measures the loop's overhead around generation.
 
     python bench/rollout.py --multi-turn   # only the multi-turn table: state reuse on vs off
+    python bench/rollout.py --contexts 2048 16384 65536   # only K3 ÷ Qwen3 decode at long contexts
 Multi-turn episodes on the tiny K3, the native engine with `reuse_state` on and off (the baseline, each
 turn prefilled in full), same weights and seed, in the same run: rollout tokens/s and prefilled tokens per
 episode. A random model writes no tool calls, so here the parser reads every turn as a `look` call whose
 observation length (2–13 lines) is hashed from the turn's text, and episodes end at the turn budget: the
 episode shape is real, the model's choices are not.
+
+`--contexts L …`: the tiny K3 and the dense Qwen3 of its size decoding after a prompt of L tokens, at batch 1 and 8
+(one prompt prefilled once and `n` samples from it: a GRPO group's shape), EOS ignored so every row decodes the
+whole budget. A decode step's time is the call's time minus that of the same prompt's prefill with one token
+(measured in the same run), so the table holds decode alone: the K3 reads its constant-size KDA states and the
+MLA layers' latents, the Qwen3 its KV cache of every layer.
 """
 
 from __future__ import annotations
@@ -171,6 +178,39 @@ def print_multi_turn(rows: list[tuple], max_tokens: int) -> None:
               f"| {pre / off[4]:.2f}× |")
 
 
+def context_rows(engines, contexts: list[int], batches: tuple[int, ...], new_tokens: int) -> list[tuple]:
+    """Rows (context, batch, model, decode tokens/s, prefill seconds) of `engines` [(name, engine, tokenizer)]
+    decoding after a prompt of each length (module docstring)."""
+    from k3rl.rollout.engine import SamplingParams
+
+    rows = []
+    for length in contexts:
+        for name, engine, tok in engines:
+            engine.eos_ids = set()  # every row decodes the whole budget
+            prompt = prompts_for(tok, 1, length=length)
+            if len(prompt[0]) < length:
+                raise SystemExit(f"--contexts {length}: the prompt text gave only {len(prompt[0])} tokens")
+            prefill_s, _ = timed(lambda: engine.generate(prompt, SamplingParams(max_tokens=1, seed=0)), repeats=1)
+            for batch in batches:
+                params = SamplingParams(n=batch, max_tokens=new_tokens + 1, seed=0)
+                seconds, outs = timed(lambda: engine.generate(prompt, params), repeats=1)
+                decoded = sum(len(c.token_ids) - 1 for c in outs[0])
+                rows.append((length, batch, name, decoded / max(seconds - prefill_s, 1e-9), prefill_s))
+            print(f"  {name} at {length:,} tokens: prefill {prefill_s:.1f} s", flush=True)
+    return rows
+
+
+def print_context_rows(rows: list[tuple], new_tokens: int) -> None:
+    print(f"\nDecode after a long prompt, native engine, {new_tokens} new tokens per sample, 1 thread: the tiny K3 and "
+          f"a dense Qwen3 of its size (hidden 128, 8 layers)\n")
+    print("| context | batch | K3 tokens/s | Qwen3 tokens/s | K3 ÷ Qwen3 | K3 prefill s | Qwen3 prefill s |")
+    print("|---|---|---|---|---|---|---|")
+    by = {(length, batch, name): (tps, pre) for length, batch, name, tps, pre in rows}
+    for length, batch in dict.fromkeys((r[0], r[1]) for r in rows):
+        (k3, k3_pre), (qw, qw_pre) = by[(length, batch, "tiny K3")], by[(length, batch, "Qwen3 of the K3's size")]
+        print(f"| {length:,} | {batch} | {k3:,.0f} | {qw:,.0f} | {k3 / qw:.2f}× | {k3_pre:.1f} | {qw_pre:.1f} |")
+
+
 def set_expert_impl(model, impl: str) -> None:
     """Run every routed-expert block of `model` with `impl` (kernels/moe: `grouped`, `naive`, `triton`)."""
     from k3rl.model.moe import Experts
@@ -189,6 +229,8 @@ def main() -> int:
     parser.add_argument("--multi-turn", action="store_true", help="only multi-turn episodes, state reuse on vs off")
     parser.add_argument("--turns", type=int, default=6, help="--multi-turn: turns per episode")
     parser.add_argument("--tasks", type=int, default=8, help="--multi-turn: tasks (2 samples each)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, metavar="TOKENS",
+                        help="only K3 ÷ Qwen3 decode after prompts of these lengths, batch 1 and 8")
     args = parser.parse_args()
     batches = (1, 8) if args.quick else (1, 8, 32)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -205,7 +247,8 @@ def main() -> int:
 
     torch.set_num_threads(1)  # the same single thread vLLM gets on this machine
     work = Path(tempfile.mkdtemp(prefix="k3rl-bench-"))
-    init_main([str(ROOT / "configs/model/tiny.yaml"), str(work / "k3")])
+    positions = max(8192, 2 * max(args.contexts or [0]))  # NoPE MLA, no KDA positions: only the config's limit
+    init_main([str(ROOT / "configs/model/tiny.yaml"), str(work / "k3"), f"model.max_position_embeddings={positions}"])
     k3 = TorchEngine.from_pretrained(work / "k3", seed=0)
     if args.multi_turn:
         mt_tokens = args.max_tokens or 24
@@ -215,8 +258,13 @@ def main() -> int:
     # the dense model of the tiny K3's size: hidden 128, 8 layers, 4 heads, vocabulary 4096, MLP 384 wide (what the
     # K3 runs per token: 2 routed experts + 1 shared of 128, or its dense first layer)
     same_dir = build_tiny_qwen3(work / "qwen3-k3-size", vocab_size=4096, hidden_size=128, num_layers=8, num_heads=4,
-                                intermediate_size=384)
+                                intermediate_size=384, max_position_embeddings=positions)
     same = TorchEngine.from_pretrained(same_dir, seed=0)
+    if args.contexts:
+        new_tokens = args.max_tokens or 32
+        named = [("tiny K3", k3, k3.tokenizer), ("Qwen3 of the K3's size", same, same.tokenizer)]
+        print_context_rows(context_rows(named, args.contexts, (1, 8), new_tokens), new_tokens)
+        return 0
     k3_naive = TorchEngine.from_pretrained(work / "k3", seed=0)
     set_expert_impl(k3_naive.model, "naive")
     qwen_native = TorchEngine.from_pretrained(qwen_dir, seed=0)

@@ -57,7 +57,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
 
 def build_tiny_qwen3(out_dir: str | Path, seed: int = 0, vocab_size: int = 1024, hidden_size: int = 64,
                      num_layers: int = 2, texts: Iterable[str] | None = None, num_heads: int = 2,
-                     intermediate_size: int | None = None) -> Path:
+                     intermediate_size: int | None = None, max_position_embeddings: int = 8192) -> Path:
     """Write a random tiny Qwen3 (head_dim 32, one KV head, untied; MLP 2 × hidden unless given) and its tokenizer
     to `out_dir`; return it."""
     import torch
@@ -68,7 +68,7 @@ def build_tiny_qwen3(out_dir: str | Path, seed: int = 0, vocab_size: int = 1024,
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=1, head_dim=32,
-        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="float32",
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, torch_dtype="float32",
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
     torch.manual_seed(seed)

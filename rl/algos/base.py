@@ -37,6 +37,7 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_LEVELS = ("token", "sequence", "none")
+TIS_MODES = ("truncate", "mask", "icepop")
 
 
 @dataclass
@@ -54,13 +55,22 @@ class AlgoConfig:
     tis_level: str = "token"
     """Truncated importance sampling against the rollout engine's logprobs: `token`, `sequence` or `none`."""
     tis_cap: float = 2.0
-    """C: IS weights π_old/μ are truncated at C (a no-op when the engine and learner agree)."""
+    """C: IS weights π_old/μ above C are truncated to C (`truncate`) or masked (`mask`); `icepop` masks those
+    outside [1/C, C] (all no-ops when the engine and learner agree)."""
+    tis_mode: str = "truncate"
+    """What a weight outside the band becomes (rl/algos/common.py `tis_weights`): `truncate`, min(w, C) (TIS);
+    `mask`, 0 above C (MIS: the token, or with `tis_level=sequence` the whole sequence, is left out of the
+    gradient); `icepop`, 0 outside [1/C, C], the ratio kept inside (IcePop's two-sided mask)."""
 
     def __post_init__(self):
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator: {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
         if self.tis_level not in TIS_LEVELS:
             raise ValueError(f"tis_level: {self.tis_level!r} is not one of {', '.join(TIS_LEVELS)}")
+        if self.tis_mode not in TIS_MODES:
+            raise ValueError(f"tis_mode: {self.tis_mode!r} is not one of {', '.join(TIS_MODES)}")
+        if self.tis_mode == "icepop" and self.tis_cap <= 1:
+            raise ValueError(f"tis_cap: icepop's band [1/C, C] needs C > 1, got {self.tis_cap}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef: must be ≥ 0, got {self.kl_coef}")
         if self.tis_cap <= 0:

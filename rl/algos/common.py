@@ -151,16 +151,26 @@ TIS = {"token": _tis_token, "sequence": _tis_sequence, "none": _tis_none}
 the sum over its sequence (sequence TIS: the product of token ratios), or 0 (off)."""
 
 
-def tis_weights(inputs: LossInputs, level: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(truncated IS weights min(π_old/μ, C) [T], detached; where the cap bit [T] bool).
+def tis_weights(inputs: LossInputs, level: str, cap: float, mode: str = "truncate"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(IS weights [T], detached; where the weight left the band [T] bool; where it was masked to 0 [T] bool).
 
-    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
-    at sequence level the weight is the product of the sequence's token ratios, truncated as in
-    Ionides 2008 ("Truncated importance sampling"). They correct for the rollout engine (μ) not
-    being the learner's policy before the update (π_old): other kernels, precision, routing.
+    They correct for the rollout engine (μ) not being the learner's policy before the update (π_old): other
+    kernels, precision, routing. w = π_old/μ per token, or at sequence level the product of the sequence's token
+    ratios, then by `mode`:
+    * `truncate`: min(w, C) — truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
+      off-policy RL training"; at sequence level Ionides 2008, "Truncated importance sampling");
+    * `mask`: w, or 0 where w > C — masked IS (MIS, Liu et al. 2025, "When speed kills stability"): a token or
+      sequence the engine sampled far more readily than the learner would is dropped, not down-weighted;
+    * `icepop`: w inside [1/C, C], else 0 — IcePop (Ling team 2025, "Every step evolves"): the two-sided mask
+      drops tokens whose probabilities disagree in either direction and keeps the ratio of the rest.
     """
     log_w = TIS[level]((inputs.old_logprobs - inputs.behaviour_logprobs).detach(), inputs)
-    return torch.exp(log_w.clamp(max=math.log(cap))), log_w > math.log(cap)
+    above = log_w > math.log(cap)
+    if mode == "truncate":
+        return torch.exp(log_w.clamp(max=math.log(cap))), above, torch.zeros_like(above)
+    masked = above if mode == "mask" else above | (log_w < -math.log(cap))
+    return torch.exp(log_w).masked_fill(masked, 0.0), masked, masked
 
 
 def mismatch_kl(inputs: LossInputs) -> torch.Tensor:
@@ -174,10 +184,10 @@ def finish_loss(pg: torch.Tensor, inputs: LossInputs, cfg: AlgoConfig, reduce: R
                 metrics: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Micro-batch loss = reduce(w·pg + β·KL) from the per-token policy-gradient loss pg [T].
 
-    w are the TIS weights (`cfg.tis_level`, `cfg.tis_cap`); the KL term needs `ref_logprobs`
+    w are the IS weights (`cfg.tis_level`, `cfg.tis_cap`, `cfg.tis_mode`); the KL term needs `ref_logprobs`
     whenever `cfg.kl_coef > 0`. Adds the shared metrics, each a share of a global token mean.
     """
-    w, capped = tis_weights(inputs, cfg.tis_level, cfg.tis_cap)  # [T], [T]
+    w, capped, masked = tis_weights(inputs, cfg.tis_level, cfg.tis_cap, cfg.tis_mode)  # [T], [T], [T]
     per_token = w * pg
     n = inputs.num_tokens_global
     if cfg.kl_coef > 0:
@@ -190,5 +200,6 @@ def finish_loss(pg: torch.Tensor, inputs: LossInputs, cfg: AlgoConfig, reduce: R
     metrics["loss"] = loss.detach()
     metrics["tis_weight"] = w.sum() / n
     metrics["tis_capped_frac"] = share(capped, n, inputs)
+    metrics["tis_masked_frac"] = share(masked, n, inputs)
     metrics["mismatch_kl"] = mismatch_kl(inputs).sum() / n
     return loss, metrics

@@ -179,10 +179,60 @@ def test_sequence_tis_uses_the_product_of_ratios():
     close(loss, -1.0)
 
 
+def test_mis_masks_tokens_above_the_cap_instead_of_truncating():
+    # π_old/μ per token = e(0), e(1) > C = 2 → 0 (masked, not 2), e(−.5) kept; ρ = 1, A = 1
+    inputs = make(lr=[0.0] * 3, adv=[1.0] * 3, seqs=[0, 0, 1], beh_minus_old=[0.0, -1.0, 0.5])
+    loss, grad, m = loss_and_grad(get_algo("ppo", tis_level="token", tis_cap=2.0, tis_mode="mask"), inputs)
+    w = [1.0, 0.0, e(-0.5)]
+    close(loss, -sum(w) / 3)
+    for g, wi in zip(grad, w):
+        close(g, -wi / 3)
+    close(m["tis_capped_frac"], 1 / 3)
+    close(m["tis_masked_frac"], 1 / 3)
+    close(m["tis_weight"], sum(w) / 3)
+
+
+def test_sequence_mis_drops_the_whole_sequence():
+    # seq 0: log w = .5 + .5 = 1 > log 2 → both tokens 0; seq 1: log w = −.5 → e(−.5) (not masked: one-sided)
+    inputs = make(lr=[0.0] * 3, adv=[1.0] * 3, seqs=[0, 0, 1], beh_minus_old=[-0.5, -0.5, 0.5])
+    loss, grad, m = loss_and_grad(get_algo("grpo", tis_level="sequence", tis_cap=2.0, tis_mode="mask"), inputs)
+    # GRPO: mean over a sequence's tokens, then over sequences: (0 + e(−.5)) / 2
+    close(loss, -e(-0.5) / 2)
+    assert grad == pytest.approx([0.0, 0.0, -e(-0.5) / 2])
+    close(m["tis_masked_frac"], 2 / 3)
+
+
+def test_icepop_masks_both_sides_and_keeps_the_ratio_inside():
+    # C = 2: band [.5, 2]; ratios e(1) (above), e(−1) (below), e(.5) and e(−.5) inside, kept as they are
+    d = [1.0, -1.0, 0.5, -0.5]
+    inputs = make(lr=[0.0] * 4, adv=[1.0] * 4, seqs=[0, 0, 1, 1], beh_minus_old=[-x for x in d])
+    loss, grad, m = loss_and_grad(get_algo("ppo", tis_cap=2.0, tis_mode="icepop"), inputs)
+    w = [0.0, 0.0, e(0.5), e(-0.5)]
+    close(loss, -sum(w) / 4)
+    for g, wi in zip(grad, w):
+        close(g, -wi / 4)
+    close(m["tis_masked_frac"], 2 / 4)
+    close(m["tis_capped_frac"], 2 / 4)
+    # truncation on the same batch keeps every token: the one below the band at its own ratio
+    _, grad, m = loss_and_grad(get_algo("ppo", tis_cap=2.0), make(lr=[0.0] * 4, adv=[1.0] * 4, seqs=[0, 0, 1, 1],
+                                                                  beh_minus_old=[-x for x in d]))
+    assert grad == pytest.approx([-2.0 / 4, -e(-1.0) / 4, -e(0.5) / 4, -e(-0.5) / 4])
+    assert m["tis_masked_frac"] == 0.0
+
+
+@pytest.mark.parametrize("bad, message", [({"tis_mode": "clip"}, "tis_mode: 'clip' is not one of truncate, mask, "
+                                                                   "icepop"),
+                                          ({"tis_mode": "icepop", "tis_cap": 1.0}, "icepop's band")])
+def test_bad_is_settings_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        get_algo("grpo", **bad)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask", "icepop"])
 @pytest.mark.parametrize("name", RL_ALGOS)
-def test_mismatch_kl_zero_when_engine_matches(name):
-    _, _, m = loss_and_grad(get_algo(name), make(**CASE))
-    assert m["mismatch_kl"] == 0.0 and m["tis_capped_frac"] == 0.0
+def test_mismatch_kl_zero_when_engine_matches(name, mode):
+    _, _, m = loss_and_grad(get_algo(name, tis_mode=mode), make(**CASE))
+    assert m["mismatch_kl"] == 0.0 and m["tis_capped_frac"] == 0.0 and m["tis_masked_frac"] == 0.0
     close(m["tis_weight"], 1.0)
 
 

@@ -3,13 +3,14 @@
 `MetricsLogger(run_dir)` writes, for every `log(step, scalars, extra)`:
 - `metrics.jsonl`: one JSON object per step (`step`, `time`, the scalars, then `extra`: lists and
   strings such as the ids of the trained groups), appended and flushed at once;
-- TensorBoard event files under `run_dir/tb` (finite numeric scalars only);
+- the finite numeric scalars to each sink (rl/log_sinks.py, `run.loggers`: TensorBoard under `run_dir/tb` by
+  default, Weights & Biases), which also get the PNGs of `images`;
 - a rich console line with the headline numbers (`headline`: (metric, label) pairs; RL's by
   default), under a progress bar of the run's steps (`label`: "RL", "SFT", …).
 
 Resuming (`resume_step=k`): `metrics.jsonl` is rewritten (temp file + rename) keeping only the
 lines of steps ≤ k, the steps the checkpoint covers, and dropping a line torn by a crash; the
-TensorBoard writer purges events after step k. The resumed run then appends steps k+1, k+2, …,
+TensorBoard sink purges events after step k. The resumed run then appends steps k+1, k+2, …,
 so the file never holds a step twice and never skips one. `resume_step=-1` (resume asked, no
 checkpoint yet) keeps nothing. A step is one row: `log` refuses a step at or below the last one written
 (a caller that measures twice at one step merges the measurements into that step's row).
@@ -102,10 +103,12 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, total_steps: int, resume_step: Optional[int] = None,
                  console: bool = True, label: str = "RL",
-                 headline: Sequence[tuple[str, str]] = ()):
+                 headline: Sequence[tuple[str, str]] = (), sinks: Optional[Sequence[Any]] = None):
+        """`sinks`: rl/log_sinks.py's (`open_sinks` with the same `resume_step`); None: TensorBoard alone."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from torch.utils.tensorboard import SummaryWriter
+
+        from k3rl.rl.log_sinks import TensorBoardSink
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,8 +117,7 @@ class MetricsLogger:
         if resume_step is not None:
             self._last = self._keep_through(resume_step)
         start = max(resume_step or 0, 0)
-        purge = None if resume_step is None else resume_step + 1
-        self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
+        self.sinks = list(sinks) if sinks is not None else [TensorBoardSink(self.run_dir, resume_step)]
         self.console = Console(quiet=not console, soft_wrap=True)
         self.headline = tuple(headline) or _HEADLINE
         self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -141,10 +143,9 @@ class MetricsLogger:
         row.update(extra or {})
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        for key, value in scalars.items():
-            if _is_scalar(value):
-                self.writer.add_scalar(key, float(value), step)
-        self.writer.flush()
+        finite = {key: float(value) for key, value in scalars.items() if _is_scalar(value)}
+        for sink in self.sinks:
+            sink.scalars(int(step), finite)
         parts = [f"{label} {_fmt(float(scalars[key]))}" for key, label in self.headline if key in scalars]
         if "eval/success_rate" in scalars:
             parts.append(f"eval {scalars['eval/success_rate']:.3f} [{scalars['eval/ci_low']:.3f}, "
@@ -152,12 +153,19 @@ class MetricsLogger:
         self.console.print(f"[bold]step {step}[/bold]  " + "  ".join(parts))
         self.progress.update(self.task, completed=max(step, 0))
 
+    def images(self, paths: Sequence[Path], step: Optional[int] = None) -> None:
+        """PNG files (the run's plots) to every sink, at `step` (default: the last step written)."""
+        if paths:
+            for sink in self.sinks:
+                sink.images(int(step if step is not None else self._last or 0), list(paths))
+
     def print(self, message: str) -> None:
         self.console.print(message)
 
     def close(self) -> None:
         self.progress.stop()
-        self.writer.close()
+        for sink in self.sinks:
+            sink.close()
         self._file.close()
 
 

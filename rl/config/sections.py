@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
+Logger = StrEnum("Logger", {"tensorboard": "tensorboard", "wandb": "wandb"})
+"""A sink of the run's scalars, config and plots (`run.loggers`, rl/log_sinks.py)."""
+
 
 @dataclass
 class RunConfig:
@@ -24,6 +27,14 @@ class RunConfig:
     `tokenization_*.py`, `modeling_*.py`) may be imported, by every command and Ray worker of the job, and copied
     into checkpoints. Off: such a directory is refused by name (model/formats/trust.py); k3rl's own K3 directories never
     need it."""
+    loggers: list[Logger] = field(default_factory=lambda: [Logger.tensorboard])
+    """Where scalars, the config and the plots go besides metrics.jsonl and the console (rl/log_sinks.py):
+    `tensorboard` (run_dir/tb), `wandb` (Weights & Biases; offline into run_dir/wandb without an API key or with
+    WANDB_MODE=offline, `wandb sync` uploads it later)."""
+    wandb_project: str = "k3rl"
+    """`run.loggers: [wandb]`: the project of the run."""
+    wandb_entity: Optional[str] = None
+    """`run.loggers: [wandb]`: the user or team (null: the API key's default)."""
     allow_nonfinite_weights: bool = False
     """Whether a model directory holding NaN/±inf weights may be loaded (`k3rl eval`; off: refused by name, naming
     the tensors, model/formats/integrity.py). Training refuses them regardless: no step can be taken from them."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rl.rl.config import ConfigError, SFTJob, check_model_code, validate
+from k3rl.rl.log_sinks import open_sinks
 from k3rl.rl.metrics import MetricsLogger
 from k3rl.rl.orchestrator.demonstrations import collect_demonstrations
 from k3rl.rl.train.group import as_trajectory, num_steps, step_batches, train_supervised
@@ -168,16 +169,18 @@ def run_sft(cfg) -> Path:
     learner, steps = make_learner(cfg, model_dir, len(report.rows))
     examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in report.rows]
     batches = step_batches(len(examples), sft.batch_size * sft.grad_accum, steps, run.seed)
-    logger = MetricsLogger(run_dir, total_steps=steps, resume_step=-1, label="SFT", headline=SFT_HEADLINE)
+    logger = MetricsLogger(run_dir, total_steps=steps, resume_step=-1, label="SFT", headline=SFT_HEADLINE,
+                           sinks=open_sinks(cfg, run_dir, -1))
     started = time.perf_counter()
     try:
         history = train_supervised(learner, examples, batches, logger.log, sft.logging_steps)
+        seconds = time.perf_counter() - started
+        out = save_model(learner.model, tokenizer, run_dir / "model")
+        plot_loss(history, run_dir / "loss.png")
+        logger.images([run_dir / "loss.png"])
     finally:
         logger.close()
-    seconds = time.perf_counter() - started
-    out = save_model(learner.model, tokenizer, run_dir / "model")
     print(loss_summary(history, seconds, steps), flush=True)
-    plot_loss(history, run_dir / "loss.png")
     if sft.eval_tasks > 0:
         held_out, dropped = remove_training_tasks(
             make_tasks(env, sft.eval_tasks, cfg.eval.seed, "sft.eval_tasks / env.args"), train_tasks)

@@ -113,6 +113,7 @@ from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.config import ConfigError, to_yaml
 from k3rl.rl.eval.evaluate import score, success_rule
 from k3rl.rl.eval.transcripts import write_eval_episodes
+from k3rl.rl.log_sinks import open_sinks
 from k3rl.rl.metrics import MetricsLogger, plot
 from k3rl.rl.orchestrator import checkpointing
 from k3rl.rl.orchestrator.buffer import Taken
@@ -231,7 +232,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
             resume_step = self.step if latest is not None else None
-            self.logger = MetricsLogger(self.run_dir, rl.steps, resume_step=resume_step)
+            self.logger = MetricsLogger(self.run_dir, rl.steps, resume_step=resume_step,
+                                        sinks=open_sinks(cfg, self.run_dir, resume_step))
         except BaseException:
             self.close()
             raise
@@ -275,7 +277,7 @@ class Trainer:
                     self.logger.log(0, first)
             while self.step < self.rl.steps:
                 self._train_step()
-            plot(self.run_dir)
+            self.logger.images(plot(self.run_dir))
         finally:
             self.close()
         return self.run_dir

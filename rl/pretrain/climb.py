@@ -234,6 +234,7 @@ class Climb:
     def run_stage(self, index: int, previous: Optional[Path]) -> Path:
         """Train stage `index` to its final checkpoint (resuming it when it has checkpoints); returns `final/`."""
         from k3rl.rl import checkpoint as ckpt
+        from k3rl.rl.log_sinks import open_sinks
         from k3rl.rl.metrics import MetricsLogger, null_nonfinite, read_metrics
         from k3rl.rl.pretrain import retrieval_score as rs
         from k3rl.rl.pretrain.climb_report import bucket_name, plot_stage_loss, position_loss
@@ -282,7 +283,8 @@ class Climb:
 
         sdir.mkdir(parents=True, exist_ok=True)
         # rows after the step the stage (re)starts from belong to a run that died: cut them (one row per step)
-        logger = MetricsLogger(sdir, total_steps=steps, resume_step=start, label=sdir.name, headline=PRETRAIN_HEADLINE)
+        logger = MetricsLogger(sdir, total_steps=steps, resume_step=start, label=sdir.name, headline=PRETRAIN_HEADLINE,
+                               sinks=open_sinks(cfg, sdir, start))
         try:
             if "start" not in heldout and start == 0:
                 logger.log(0, measure("start", 0))
@@ -300,13 +302,14 @@ class Climb:
                 if (step + 1) % pre.save_every == 0 and step + 1 < steps:
                     with manager.begin(step + 1) as tmp:
                         learner.save_into(tmp)
+            with ckpt.atomic_dir(final, step=steps) as tmp:
+                learner.save_into(tmp)
+            plot_stage_loss(read_metrics(sdir), sdir / "loss.png", f"{sdir.name}: {stage.seq_len} tokens per row")
+            logger.images([sdir / "loss.png"], steps)
         finally:
             logger.close()
-        with ckpt.atomic_dir(final, step=steps) as tmp:
-            learner.save_into(tmp)
         if hasattr(learner, "shutdown"):
             learner.shutdown()
-        plot_stage_loss(read_metrics(sdir), sdir / "loss.png", f"{sdir.name}: {stage.seq_len} tokens per row")
         return final
 
     def eval_stage(self, index: int, final: Path) -> Optional[Path]:

@@ -44,6 +44,7 @@ from typing import Any
 from k3rl.envs import scoring
 from k3rl.envs.base import Env, TextPolicy
 from k3rl.envs.corpus import Corpus, CorpusConfig, Document, Passage, load_corpus
+from k3rl.envs.judge import evidence_texts, judge_for, judged_metrics
 from k3rl.envs.registry import register
 from k3rl.envs.search_oracle import SearchOracle
 from k3rl.envs.tools import TOOL_PROMPT_STYLES, ToolError, tool
@@ -105,6 +106,7 @@ class SearchEnv(Env):
         tool_prompt: str = "json",
         quote_articles: int | None = None,
         snippet: str = "head",
+        judge: Mapping[str, Any] | None = None,
     ):
         """
         Args:
@@ -122,6 +124,8 @@ class SearchEnv(Env):
             quote_articles: ``quote`` questions about this many fixed articles only (None: all).
             snippet: what a result shows of its passage: ``head`` (its beginning) or ``match``
                 (the sentence sharing most words with the query, as search engines highlight).
+            judge: a judge model's settings (envs/judge.py `judge_for`: ``base_url``, ``model``, …): its grade
+                replaces F1 as the answer's part of the reward. None: F1.
         """
         if snippet not in SNIPPETS:
             raise ValueError(f"snippet: {snippet!r} is not one of {', '.join(SNIPPETS)}")
@@ -143,6 +147,7 @@ class SearchEnv(Env):
         self.page_chars = page_chars
         self.snippet_chars = snippet_chars
         self.evidence_weight = evidence_weight
+        self.judge = None if judge is None else judge_for(judge)
         self.corpus: Corpus | None = None
 
     @property
@@ -166,6 +171,7 @@ class SearchEnv(Env):
         self.seen: set[str] = set()
         self.opened: list[str] = []
         self.final: str | None = None
+        self._grade = None
         return self.prompt(task)
 
     def task_corpus(self, task: Mapping[str, Any]) -> Corpus:
@@ -241,9 +247,21 @@ class SearchEnv(Env):
         self.final = text
         return "Answer recorded."
 
+    def graded(self):
+        """The judge's grade of this episode's answer (asked once), or None without a judge."""
+        if self.judge is None:
+            return None
+        if self._grade is None:
+            texts = {i: p.text for i in self.evidence if (p := self.corpus.passage(i)) is not None}
+            self._grade = self.judge.grade(str(self.task.get("question", "")), self.final, self.answers,
+                                           evidence_texts(texts, self.evidence))
+        return self._grade
+
     def metrics(self) -> dict[str, Any]:
         em = scoring.exact_match(self.final, self.answers)
+        grade = self.graded()
         return {
+            **({} if grade is None else judged_metrics(grade)),
             "answered": self.final is not None,
             "em": em,
             "f1": scoring.f1(self.final, self.answers),
@@ -258,8 +276,9 @@ class SearchEnv(Env):
     def reward(self) -> float:
         if self.final is None:
             return 0.0
-        w = self.evidence_weight
-        return (1 - w) * scoring.f1(self.final, self.answers) + w * scoring.evidence_recall(self.seen, self.evidence)
+        w, grade = self.evidence_weight, self.graded()
+        answer = scoring.f1(self.final, self.answers) if grade is None else grade.score
+        return (1 - w) * answer + w * scoring.evidence_recall(self.seen, self.evidence)
 
     def tasks(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         """Questions over the Wikipedia summaries of the kind ``questions`` (needs a ``wiki`` corpus)."""

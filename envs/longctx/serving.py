@@ -17,6 +17,7 @@ from typing import Any
 
 from k3rl.envs import scoring
 from k3rl.envs.base import Env, TextPolicy
+from k3rl.envs.judge import evidence_texts, judge_for, judged_metrics
 from k3rl.envs.longctx.families import DEFAULTS, FAMILIES, GENERATORS
 from k3rl.envs.longctx.haystack import generate, pool_words, render_context
 from k3rl.envs.longctx.names import Names
@@ -90,14 +91,18 @@ class LongContextEnv(_FamilyTasks, Env):
     system_prompt = "You answer questions about a long text given in the user message."
 
     def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
-                 tokenizer: Any = None, evidence_weight: float = 0.0, **options: Any):
+                 tokenizer: Any = None, evidence_weight: float = 0.0, judge: Mapping[str, Any] | None = None,
+                 **options: Any):
+        """``judge``: a judge model's settings (envs/judge.py): its grade replaces F1 in the reward."""
         self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
         self.evidence_weight, self.options = evidence_weight, _checked_options(type(self), family, source, options)
+        self.judge = None if judge is None else judge_for(judge)
 
     def reset(self, task: Mapping[str, Any]) -> str:
         self.current = self.instance(task)
         self.final: str | None = None
         self.cited: list[str] = []
+        self._grade = None
         return render_context(self.current)
 
     @tool(terminal=True, inline=True)
@@ -111,9 +116,18 @@ class LongContextEnv(_FamilyTasks, Env):
         self.final, self.cited = text, list(evidence or [])
         return "Answer recorded."
 
+    def graded(self):
+        """The judge's grade of this episode's answer (asked once), or None without a judge."""
+        if self.judge is not None and self._grade is None:
+            inst = self.current
+            self._grade = self.judge.grade(inst.question, self.final, inst.answers,
+                                           evidence_texts(dict(inst.passages), inst.evidence))
+        return self._grade
+
     def metrics(self) -> dict[str, Any]:
-        inst = self.current
+        inst, grade = self.current, self.graded()
         return {
+            **({} if grade is None else judged_metrics(grade)),
             "family": inst.family, "hops": inst.hops, "unanswerable": inst.unanswerable, "tokens": inst.meta["tokens"],
             "answered": self.final is not None,
             "em": scoring.exact_match(self.final, inst.answers), "f1": scoring.f1(self.final, inst.answers),
@@ -123,8 +137,9 @@ class LongContextEnv(_FamilyTasks, Env):
     def reward(self) -> float:
         if self.final is None:
             return 0.0
-        w = self.evidence_weight
-        return (1 - w) * scoring.f1(self.final, self.current.answers) + w * scoring.evidence_recall(self.cited, self.current.evidence)
+        w, grade = self.evidence_weight, self.graded()
+        answer = scoring.f1(self.final, self.current.answers) if grade is None else grade.score
+        return (1 - w) * answer + w * scoring.evidence_recall(self.cited, self.current.evidence)
 
     def oracle(self, task: Mapping[str, Any]) -> TextPolicy:
         return ContextOracle(task.get("family", self.family))
@@ -135,10 +150,12 @@ class LongContextSearchEnv(_FamilyTasks, SearchEnv):
 
     def __init__(self, family: str = "needle", length: int = 8192, source: str = "shakespeare",
                  tokenizer: Any = None, max_k: int = 20, evidence_weight: float = 0.1, oracle_k: int | None = None,
-                 snippet_chars: int = 4000, tool_prompt: str = "json", snippet: str = "head", **options: Any):
+                 snippet_chars: int = 4000, tool_prompt: str = "json", snippet: str = "head",
+                 judge: Mapping[str, Any] | None = None, **options: Any):
         """``oracle_k``: the k of the oracle's searches (default ``max_k``); the rest as ``SearchEnv``."""
         super().__init__(corpus=None, max_k=max_k, snippet_chars=snippet_chars, evidence_weight=evidence_weight,
-                         oracle_k=max_k if oracle_k is None else oracle_k, tool_prompt=tool_prompt, snippet=snippet)
+                         oracle_k=max_k if oracle_k is None else oracle_k, tool_prompt=tool_prompt, snippet=snippet,
+                         judge=judge)
         self.family, self.length, self.source, self.tokenizer = family, length, source, tokenizer
         self.options = _checked_options(type(self), family, source, options)
 

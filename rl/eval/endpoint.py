@@ -28,7 +28,7 @@ COUNTERS = ("turns", "tool_calls", "observation_tokens", "tool_seconds")
 
 class ChatPolicy:
     """A message-level policy (messages → the assistant's text) that asks an OpenAI-compatible chat endpoint
-    (rl/eval/endpoint_client.py), greedy, stopping at the end of a tool call; it keeps the server's token usage of
+    (util/chat_client.py), greedy, stopping at the end of a tool call; it keeps the server's token usage of
     every turn and whether a reply was cut at `eval.endpoint_max_reply_chars`.
 
     What the server is sent is what the native engine renders (rollout/chat.py's `neutralize`): in every
@@ -99,7 +99,7 @@ class ChatPolicy:
 @dataclass
 class ChatEpisode:
     """One task played on the endpoint, as `score` reads it (`reward`, `rewards`, `metrics`), with its messages, a
-    note on the token count, whether a reply was cut, and its error (`error_kind`: rl/eval/endpoint_client.py's
+    note on the token count, whether a reply was cut, and its error (`error_kind`: util/chat_client.py's
     kinds or `task`) when it failed."""
 
     reward: float = 0.0
@@ -135,7 +135,7 @@ class EndpointRunner:
 
     def _episode(self, task: Any) -> ChatEpisode:
         from k3rl.envs.base import run_episode, with_budget
-        from k3rl.rl.eval.endpoint_client import EndpointError
+        from k3rl.util.chat_client import EndpointError
 
         started = time.perf_counter()
         bound = self.task_timeout_s
@@ -163,7 +163,7 @@ class EndpointRunner:
 
 class ServedModel:
     """`k3rl eval`'s evaluated model behind an OpenAI-compatible chat endpoint (`eval.endpoint`), played by an
-    `EndpointRunner`; see `ChatPolicy` and rl/eval/endpoint_client.py (the deadlines, retries and reply cap).
+    `EndpointRunner`; see `ChatPolicy` and util/chat_client.py (the deadlines, retries and reply cap).
 
     Starting it probes GET /models: an unreachable server, a wrong URL, a listing that is not JSON or not a
     model list, a model it does not serve, or a `max_model_len` that is not a positive integer is a named
@@ -177,8 +177,8 @@ class ServedModel:
     backend = "endpoint"
 
     def __init__(self, cfg: Any):
-        from k3rl.rl.eval.endpoint_client import EndpointClient
         from k3rl.rollout.chat import control_pattern
+        from k3rl.util.chat_client import EndpointClient
 
         ev = cfg.eval
         self.cfg, self.url = cfg, str(ev.endpoint).rstrip("/")
@@ -192,7 +192,7 @@ class ServedModel:
 
     def _probe(self, wanted: Optional[str]) -> tuple[str, Optional[int]]:
         """The served model to evaluate and its context limit (vLLM reports `max_model_len`), from GET /models."""
-        from k3rl.rl.eval.endpoint_client import EndpointError
+        from k3rl.util.chat_client import EndpointError
 
         where = f"GET {self.url}/models"
         try:

@@ -27,7 +27,7 @@ def task_row(runner: str, gt: GridTask, reward: float, rewards: dict, metrics: d
     reading order; `depth`: the first one's, null without evidence), `prompt_tokens` (the whole in-context
     prompt of its haystack, the cell's measure), the reported reward components, success by the environment's
     rule (never for an error row), tool calls, tokens read, wall time, the transcript, the error and its kind (`error_kind`:
-    rl/eval/endpoint_client.py's kinds, `context`, `engine` or `task`; a resume runs the transient ones again), for
+    util/chat_client.py's kinds, `context`, `engine` or `task`; a resume runs the transient ones again), for
     the model the first prompt the engine was given (`engine_prompt_tokens`: in context, the cell's prompt as
     rendered for that model), and a runner's `extra` fields (the endpoint's `reply_truncated`, `note`)."""
     from k3rl.rl.eval.cells import REPORTED
@@ -89,10 +89,10 @@ LEGACY_TRANSIENT = ("APIConnectionError:", "APITimeoutError:", "InternalServerEr
 
 
 def is_transient(row: dict[str, Any]) -> bool:
-    """Whether an error row failed for a reason that may be gone (rl/eval/endpoint_client.py's TRANSIENT kinds): a
+    """Whether an error row failed for a reason that may be gone (util/chat_client.py's TRANSIENT kinds): a
     resumed eval runs its task again. A row without `error_kind` (older k3rl) is judged by its error's
     exception name."""
-    from k3rl.rl.eval.endpoint_client import TRANSIENT
+    from k3rl.util.chat_client import TRANSIENT
 
     if not row.get("error"):
         return False

@@ -1,4 +1,4 @@
-"""`k3rl eval` against hostile OpenAI-compatible servers (rl/eval/endpoint_client.py through rl/eval/endpoint.py's
+"""`k3rl eval` against hostile OpenAI-compatible servers (util/chat_client.py through rl/eval/endpoint.py's
 `EndpointRunner`): a tiny local HTTP server in a thread whose answers each test sets, the random tiny K3's
 tokenizer counting the lengths.
 

@@ -6,7 +6,8 @@ Checks: every task of the grid gets its row, with no error, tokens read from the
 replies in the transcript (the same replies as the in-process engine gives, greedy), the backend in
 results.json; an unreachable or wrong endpoint, a model it does not serve, a served name without a local
 tokenizer and a K3 model on vLLM are named before anything is written; the chat policy puts back the stop
-string a server strips and counts each token read once."""
+string a server strips and counts each token read once; the judge-model reward (envs/judge.py) grades through the
+same server."""
 
 from __future__ import annotations
 
@@ -131,6 +132,20 @@ def test_the_vllm_engine_evaluates_the_model_in_process_with_the_same_replies(en
 
 
 @pytest.mark.vllm
+def test_the_judge_reward_asks_a_real_server_and_records_its_reply(served):
+    """envs/judge.py against the same `vllm serve`: the random tiny Qwen3 writes no `SCORE: x`, so the grade is 0
+    with the reason and the server's own greedy reply; the same answer again is not sent."""
+    from k3rl.envs.judge import Judge, parse_score
+
+    judge = Judge(served, SERVED_NAME, timeout_s=60, max_tokens=12)
+    grade = judge.grade("Who wrote Hamlet?", "the Bard of Avon", ["William Shakespeare"])
+    assert grade.reply and (grade.score, grade.reason) == parse_score(grade.reply)
+    assert grade.reason.startswith("unparseable") or grade.reason == ""
+    again = judge.grade("Who wrote Hamlet?", "the Bard of Avon", ["William Shakespeare"])
+    assert again.cached and again.reply == grade.reply and judge.requests == 1
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("extra, message", [
     (["eval.endpoint={url}2"], "answered HTTP 404"),
     (["eval.endpoint={url}", "eval.endpoint_model=nope"], "eval.endpoint_model: 'nope' is not served"),
@@ -168,7 +183,7 @@ def test_an_unreachable_endpoint_and_k3_on_vllm_are_named_before_anything_is_wri
 
 
 class FakeChat:
-    """A chat client (rl/eval/endpoint_client.py's interface) whose replies are given: records the messages it was sent."""
+    """A chat client (util/chat_client.py's interface) whose replies are given: records the messages it was sent."""
 
     def __init__(self, replies):
         self.replies, self.sent = list(replies), []
@@ -180,7 +195,7 @@ class FakeChat:
 
 
 def reply(text, finish="stop", usage=(0, 0), **stop_reason):
-    from k3rl.rl.eval.endpoint_client import Reply
+    from k3rl.util.chat_client import Reply
 
     return Reply(text, finish, stop_reason.get("stop_reason"), "stop_reason" in stop_reason, usage, False)
 

@@ -1,5 +1,6 @@
-"""The HTTP client of `k3rl eval`'s endpoint runner (rl/eval/endpoint.py): GET /models and POST /chat/completions
-of an OpenAI-compatible API, with bounds that a slow, broken or hostile server cannot stretch.
+"""An HTTP client of an OpenAI-compatible API — GET /models and POST /chat/completions — with bounds that a slow,
+broken or hostile server cannot stretch: `k3rl eval`'s endpoint runner (rl/eval/endpoint.py) and the judge-model
+reward (envs/judge.py) talk through it.
 
 - **A whole-request deadline.** Connecting, sending and reading every byte of the reply fall inside one deadline
   (`timeout_s` per attempt, and never past the caller's own deadline, e.g. the task's): a watchdog shuts the
@@ -75,7 +76,10 @@ class Reply:
 class EndpointClient:
     """GET /models and POST /chat/completions at `base_url` (e.g. http://127.0.0.1:8000/v1); see the module."""
 
-    def __init__(self, base_url: str, api_key: str, timeout_s: float, retries: int, max_reply_chars: int):
+    def __init__(self, base_url: str, api_key: str, timeout_s: float, retries: int, max_reply_chars: int,
+                 timeout_key: str = "eval.endpoint_timeout_s", deadline_key: str = "eval.endpoint_task_timeout_s"):
+        """`timeout_key` / `deadline_key`: the settings an error names for the attempt's and the caller's time."""
+        self.timeout_key, self.deadline_key = timeout_key, deadline_key
         self.base_url = base_url.rstrip("/")
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -107,7 +111,7 @@ class EndpointClient:
             end = time.monotonic() + self.timeout_s
             if deadline is not None:
                 if deadline <= time.monotonic():
-                    raise EndpointError("timeout", "the task's time (eval.endpoint_task_timeout_s) ran out")
+                    raise EndpointError("timeout", f"the caller's time ({self.deadline_key}) ran out")
                 end = min(end, deadline)
             try:
                 status, headers, body, overflow = self._request("POST", "/chat/completions", payload, end,
@@ -191,7 +195,7 @@ class EndpointClient:
         except (OSError, http.client.HTTPException, ValueError) as e:
             if expired.is_set() or isinstance(e, TimeoutError):
                 raise EndpointError("timeout", f"{method} {self.base_url}{path}: no whole reply within "
-                                               f"{self.timeout_s:g} s (eval.endpoint_timeout_s)") from None
+                                               f"{self.timeout_s:g} s ({self.timeout_key})") from None
             raise EndpointError("connection", f"{method} {self.base_url}{path}: {type(e).__name__}: {e}") from None
         finally:
             watchdog.cancel()

@@ -349,10 +349,9 @@ class HFPolicy(Policy):
         return {"cache": cache, "mask": state["mask"][index], "pos": state["pos"][index]}
 
     def save(self, directory, state=None, tokenizer_from=None, trust_remote_code=False):
-        """`save_pretrained` (safetensors), and the tokenizer of `tokenizer_from` (its code only when trusted)."""
-        if state is not None:
-            raise NotImplementedError(f"{type(self.model).__name__}: saving a gathered state dict is K3-only")
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """`save_pretrained` (safetensors; of `state`, e.g. LoRA-merged weights, when given), and the tokenizer of
+        `tokenizer_from` (its code only when trusted)."""
+        self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
         if tokenizer_from is not None:
             from k3rl.model.tokenizer import load_tokenizer
 

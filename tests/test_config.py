@@ -150,10 +150,13 @@ def test_every_learner_setting_reaches_the_learner_config():
               "compute_entropy": True, "lr_scheduler": "cosine", "warmup_steps": 4, "total_steps": 40,
               "micro_batch_seqs": 2, "segment_tokens": 4096, "share_prefix": False, "decay_steps": 5,
               "min_lr_ratio": 0.1, "expert_parallel": 1, "fsdp": False}
-    assert set(values) == {f.name for f in dataclasses.fields(LearnerSettings)}
-    job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"])
+    lora = {"rank": 8, "alpha": 4.0, "dropout": 0.25, "targets": ["q_proj", "w1"]}
+    assert set(values) | {"lora"} == {f.name for f in dataclasses.fields(LearnerSettings)}
+    job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"]
+                      + [f"learner.lora.{k}={v}".replace("'", "") for k, v in lora.items()])
     cfg = LearnerConfig.from_job(job, "/policy")
     assert {k: getattr(cfg, k) for k in values} == values
+    assert dataclasses.asdict(cfg.lora) == lora  # a plain dataclass, as Ray ships it
     assert (cfg.model_path, cfg.algo, cfg.seed) == ("/policy", "ppo", 5)
     # the sharded learner's keys (refused with Muon and segments above, so set on their own)
     job = load_config(None, ["learner.expert_parallel=2", "learner.fsdp=true", "learner.share_prefix=false",

@@ -51,6 +51,13 @@ def check_learner_settings(s: Any) -> None:
         raise ValueError(f"micro_batch_seqs: must be ≥ 1 or null, got {s.micro_batch_seqs}")
     if s.expert_parallel < 1:
         raise ValueError(f"expert_parallel: must be ≥ 1, got {s.expert_parallel}")
+    lora = s.lora
+    if lora.rank < 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ValueError(f"lora: rank ≥ 0, alpha > 0 and dropout in [0, 1) needed, got rank {lora.rank}, alpha "
+                         f"{lora.alpha}, dropout {lora.dropout}")
+    if lora.rank and (s.expert_parallel > 1 or bool(s.fsdp)):
+        raise ValueError(f"lora: adapters on a sharded learner (expert_parallel = {s.expert_parallel}, fsdp = "
+                         f"{str(bool(s.fsdp)).lower()}) are not supported yet; train LoRA on unsharded ranks")
     if s.expert_parallel > 1 or bool(s.fsdp):
         # Every rank must run the same sequence of forwards and backwards (their all-gathers and all-to-alls are
         # collectives); the features below would make the passes of a rank depend on its own data.

@@ -5,11 +5,27 @@ stage's `segment_tokens`, leaves the `learner:` value); `learner_overrides` coll
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
 
 from k3rl.rl.config.sections import DType, LRSchedule, Optimizer, Recompute
+
+
+@dataclass
+class LoraSettings:
+    """`learner.lora`: low-rank adapters through PEFT instead of full-parameter training (rl/train/lora.py)."""
+
+    rank: int = 0
+    """Adapter rank r (0: off, every parameter trains)."""
+    alpha: float = 16.0
+    """Scale numerator: an adapter adds (alpha / rank)·B·A to its weight."""
+    dropout: float = 0.0
+    """Dropout on an adapted linear layer's input, on the adapter's path only."""
+    targets: Optional[list[str]] = None
+    """Leaf names of the linear layers to adapt (`q_proj`, `gate_proj`, …) and, on K3, `w1`/`w2`/`w3` for the
+    stacked routed experts; null: rl/train/lora.py's defaults (K3: attention, MLPs and experts, not the routers;
+    other models: every linear layer but the head)."""
 
 
 @dataclass
@@ -86,6 +102,9 @@ class LearnerSettings:
     `expert_parallel > 1` or `fsdp` (and more than one rank) the learner runs only AdamW, no reference model
     (`algo.args.kl_coef: 0`), whole sequences (`segment_tokens: null`) and no prefix sharing (`share_prefix: false`),
     since every rank must run the same forward and backward passes."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """Train low-rank adapters instead of every parameter (`lora.rank > 0`, rl/train/lora.py): the rollout engines
+    get the merged weights, checkpoints hold the merged model and the adapters (PEFT's format) beside it."""
 
 
 @dataclass

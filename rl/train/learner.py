@@ -35,7 +35,8 @@ from k3rl.rl.algos import get_algo
 from k3rl.rl.algos.base import Algorithm, LossInputs
 from k3rl.rl.config import LearnerSettings
 from k3rl.rl.config.checks import check_learner_settings
-from k3rl.rl.train import learner_state, parallel, router_balance, segments, units
+from k3rl.rl.config.learner import LoraSettings
+from k3rl.rl.train import learner_state, lora, parallel, router_balance, segments, units
 from k3rl.rl.train.batching import TrainSequence, collate, to_train_sequence
 from k3rl.rl.train.optim import build_optimizers, build_schedulers
 
@@ -86,6 +87,8 @@ class LearnerConfig(LearnerSettings):
         section = job.learner if "learner" in job else LearnerSettings()
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(LearnerSettings)}
         values = {k: str(v) if isinstance(v, Enum) else v for k, v in values.items()}
+        if OmegaConf.is_config(values["lora"]):
+            values["lora"] = LoraSettings(**OmegaConf.to_container(values["lora"]))
         if values["total_steps"] is None and "rl" in job:
             values["total_steps"] = int(job.rl.steps)
         values.update(model_path=str(model_path), algo=job.algo.name, algo_args=OmegaConf.to_container(job.algo.args)
@@ -132,6 +135,11 @@ class Learner:
         if cfg.rope_theta is not None:
             self.policy.set_rope_theta(cfg.rope_theta)
         self.policy.set_recompute(cfg.recompute)
+        self.lora = None
+        """The `PeftModel` when `learner.lora.rank > 0` (rl/train/lora.py): `self.model` then runs base + adapters and
+        only the adapters train."""
+        if cfg.lora.rank:
+            self.lora = lora.apply_lora(self.policy, cfg.lora)
         self.model.train()
         self.policy.check_head()
         bad = self.policy.nonfinite_parameters()
@@ -343,13 +351,14 @@ class Learner:
 
     def named_weights(self, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the state dict (buffers such as router biases and `lm_head.weight` included),
-        as CPU copies under checkpoint names: what `Engine.load_weights` takes. `copy=False` returns CPU parameters
-        themselves (detached) for a caller that copies them at once (rl/train/group.py packs them for a push). Under
-        a mesh every rank calls it (the shards are gathered, rl/train/parallel.py `full_state_dict`) and only rank 0
-        gets the tensors (the others an empty list)."""
+        as CPU copies under checkpoint names: what `Engine.load_weights` takes (with LoRA: base + adapters merged).
+        `copy=False` returns CPU parameters themselves (detached) for a caller that copies them at once
+        (rl/train/group.py packs them for a push). Under a mesh every rank calls it (the shards are gathered,
+        rl/train/parallel.py `full_state_dict`) and only rank 0 gets the tensors (the others an empty list)."""
         if self.mesh is not None:
             return list(parallel.full_state_dict(self.model, self.mesh).items())
-        return [(name, t.detach().to("cpu", copy=copy)) for name, t in self.model.state_dict().items()]
+        state = self.model.state_dict() if self.lora is None else lora.merged_state_dict(self.model)
+        return [(name, t.detach().to("cpu", copy=copy)) for name, t in state.items()]
 
     def save_into(self, directory: str | Path) -> None:
         """Write this rank's part of a checkpoint into `directory` (rank 0: model, tokenizer, optimizer; every rank:

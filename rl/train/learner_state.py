@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from k3rl.rl import checkpoint as ckpt
-from k3rl.rl.train import parallel
+from k3rl.rl.train import lora, parallel
 from k3rl.rl.train.optim import restore_schedulers
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -71,8 +71,13 @@ def sharded_meta(learner: Any) -> dict[str, Any]:
 
 
 def write_plain(learner: Any, directory: Path, tokenizer: Any) -> None:
-    """Rank 0 of an unsharded learner: the model in its family's format, then `OPTIMIZER_FILE`."""
-    learner.policy.save(directory, tokenizer_from=tokenizer, trust_remote_code=learner.cfg.trust_remote_code)
+    """Rank 0 of an unsharded learner: the model in its family's format (with LoRA: merged, and the adapters in
+    PEFT's format in `lora.ADAPTER_DIR`), then `OPTIMIZER_FILE`."""
+    state = None if learner.lora is None else lora.merged_state_dict(learner.model)
+    learner.policy.save(directory, state=state, tokenizer_from=tokenizer,
+                        trust_remote_code=learner.cfg.trust_remote_code)
+    if learner.lora is not None:
+        lora.save_adapter(learner.lora, directory / lora.ADAPTER_DIR, learner.cfg.model_path)
     torch.save(optimizer_state(learner), directory / OPTIMIZER_FILE)
 
 
@@ -109,6 +114,14 @@ def read_plain(learner: Any, path: Path) -> None:
     except Exception as e:  # truncated or foreign files: name the checkpoint
         raise ckpt.CorruptCheckpointError(f"{path}: cannot read the learner state ({type(e).__name__}: {e})") from e
     model_state = learner.model.state_dict()
+    adapted: set[str] = set()
+    if learner.lora is not None:
+        # the saved model is merged: the base keeps its own weights, the adapters come from their own files, and
+        # the rest (router biases the balancer moved, frozen tensors) from the saved model
+        adapted = {name for name, _ in lora.adapted_tensors(learner.model)}
+        model_state = {lora.base_name(k): t for k, t in model_state.items() if ".lora_" not in k}
+        weights = {k: t for k, t in weights.items() if k not in adapted}
+        model_state = {k: t for k, t in model_state.items() if k not in adapted}
     # tied tensors (e.g. lm_head.weight = embed_tokens.weight) are saved once, under one name
     shared: dict[int, set[str]] = {}
     for name, t in model_state.items():
@@ -121,6 +134,15 @@ def read_plain(learner: Any, path: Path) -> None:
     with torch.no_grad():
         for name, t in weights.items():
             model_state[name].copy_(t)
+    if learner.lora is not None:
+        adapter = path / lora.ADAPTER_DIR
+        if not (adapter / "adapter_config.json").is_file():
+            raise ckpt.CheckpointError(f"{path}: no {lora.ADAPTER_DIR}/ (not written by a LoRA learner); start a new "
+                                       f"run from its weights (rl.model_path={path}) instead")
+        try:
+            lora.load_adapter(learner.lora, adapter, learner.cfg.model_path)
+        except ValueError as e:
+            raise ckpt.CheckpointError(str(e)) from None
     load_optimizer_state(learner, path, state)
     learner.version = int(state["version"])
 

@@ -1,0 +1,189 @@
+"""LoRA through PEFT (rl/train/lora.py, `learner.lora`): in float64, the adapters' gradients are the full model's
+gradients (at the merged weights) projected onto the adapters — K3 with its stacked routed experts targeted, and a
+tiny Qwen3; only adapters train and hold optimizer state; the engines get merged weights that give the learner's
+log-probs; a checkpoint holds the merged model (read as a plain one) and PEFT's adapter files (read by
+`PeftModel.from_pretrained`), and a resume restores the adapters and their optimizer state exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from k3rl.model.policy import load_policy
+from k3rl.rl.config.learner import LoraSettings
+from k3rl.rl.train import lora
+from k3rl.rl.train.learner import Learner, LearnerConfig
+from tests.rl.test_learner import PROMPTS, behaviour, sample
+
+K3_PROMPTS = [[5, 17, 42, 99, 7, 250], [11, 12, 300, 8]]
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    from k3rl.model.modeling import K3ForCausalLM
+    from k3rl.rl.config import load_model_config
+
+    torch.manual_seed(0)
+    k3 = K3ForCausalLM(load_model_config(str(Path(__file__).parents[2] / "configs/model/tiny.yaml")))
+    with torch.no_grad():
+        k3.lm_head.weight.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp("tiny-k3-lora")
+    k3.save_pretrained(path)
+    return path
+
+
+def randomise_adapters(model: torch.nn.Module, seed: int = 0) -> None:
+    """PEFT starts B at 0 (ΔW = 0, and A gets no gradient): give both factors values so every path is tested."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits[:, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum()
+
+
+@pytest.mark.parametrize("family", ["k3", "qwen3"])
+def test_adapter_gradients_are_the_full_gradients_projected(family, k3_dir, tiny_qwen3_dir):
+    path = k3_dir if family == "k3" else tiny_qwen3_dir
+    policy = load_policy(path, torch.float64, torch.device("cpu"))
+    peft_model = lora.apply_lora(policy, LoraSettings(rank=3, alpha=6.0))
+    model = policy.model
+    randomise_adapters(model)
+    layers = dict(lora.adapted_tensors(model))
+    if family == "k3":
+        leaf = {n.removesuffix(".weight").rsplit(".", 1)[1] for n in layers}
+        assert leaf >= {"w1", "w2", "w3", "q_proj", "kv_b_proj", "gate_proj"}
+        assert not any(n.endswith("gate.weight") for n in layers)  # the routers stay frozen
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert type(peft_model).__name__ == ("PeftModel" if family == "k3" else "PeftModelForCausalLM")
+
+    plain = load_policy(path, torch.float64, torch.device("cpu")).model
+    merged = lora.merged_state_dict(model)
+    assert merged.keys() == plain.state_dict().keys()
+    plain.load_state_dict(merged)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 250, 11, 12, 300, 8, 60, 61]])
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=1e-10, rtol=0)
+
+    loss_of(model, ids).backward()
+    loss_of(plain, ids).backward()
+    full = dict(plain.named_parameters())
+    assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
+    for name, layer in layers.items():
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        expected = torch.autograd.grad(layer.get_delta_weight("default"), [a, b], full[name].grad)
+        torch.testing.assert_close(a.grad, expected[0], atol=1e-10, rtol=1e-8, msg=f"{name} A")
+        torch.testing.assert_close(b.grad, expected[1], atol=1e-10, rtol=1e-8, msg=f"{name} B")
+
+
+def k3_learner(path, **kw) -> Learner:
+    return Learner(LearnerConfig(**{**dict(model_path=str(path), lr=1e-2, max_grad_norm=10.0,
+                                           micro_batch_tokens=64, lora=LoraSettings(rank=4, alpha=8.0)), **kw}))
+
+
+def k3_engine(path):
+    """The tiny K3's engine without a tokenizer (ids only: no stop strings, no decoding)."""
+    from k3rl.rollout.torch_engine import TorchEngine
+
+    model = load_policy(path, torch.float32, torch.device("cpu")).model
+    return TorchEngine(model, SimpleNamespace(eos_token_id=None, pad_token_id=0), seed=0)
+
+
+@pytest.fixture(scope="module")
+def k3_batch(k3_dir):
+    return sample(k3_engine(k3_dir), K3_PROMPTS, group_size=3, max_tokens=8)
+
+
+def test_a_lora_learner_trains_adapters_only_and_engines_get_its_merged_weights(k3_dir, k3_batch):
+    learner = k3_learner(k3_dir)
+    frozen = {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".lora_" not in n}
+    adapters = [p for n, p in learner.model.named_parameters() if ".lora_" in n]
+    assert {id(p) for p in learner.params} == {id(p) for p in adapters}
+    for _ in range(2):
+        m = learner.train_step(k3_batch)
+        assert m["skipped"] == 0.0
+    assert all(torch.equal(frozen[n], p) for n, p in learner.model.named_parameters() if ".lora_" not in n)
+    state = [t for o in learner.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)
+             and t.dim() > 0]
+    assert state and sum(t.numel() for t in state) == 2 * sum(p.numel() for p in adapters)  # Adam's two moments
+    assert any(p.abs().sum() > 0 for n, p in learner.model.named_parameters() if ".lora_B" in n)  # they moved
+
+    engine = k3_engine(k3_dir)
+    engine.load_weights(learner.named_weights(), version=learner.version)
+    fresh = sample(engine, K3_PROMPTS, group_size=2, max_tokens=6, seed=3)
+    for t, lp in zip(fresh, learner.score(fresh)):
+        np.testing.assert_allclose(lp, behaviour(t), atol=2e-4)
+
+
+def test_a_lora_checkpoint_is_a_plain_model_plus_peft_adapters_and_resumes_exactly(tmp_path, k3_dir, k3_batch):
+    learner = k3_learner(k3_dir)
+    learner.train_step(k3_batch)
+    learner.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_config.json").is_file()
+    plain = load_policy(tmp_path / "ckpt", torch.float32, torch.device("cpu")).model.eval()
+    ids = torch.tensor([K3_PROMPTS[0]])
+    learner.model.eval()
+    with torch.no_grad():  # float32: (W + BA)x and Wx + B(Ax) round differently (the float64 test is exact)
+        torch.testing.assert_close(plain(ids).logits, learner.model(ids).logits, atol=1e-4, rtol=0)
+    learner.model.train()
+
+    resumed = k3_learner(k3_dir)
+    resumed.load(tmp_path / "ckpt")
+    mine = lora.adapter_state_dict(learner.lora)
+    assert mine.keys() == lora.adapter_state_dict(resumed.lora).keys()
+    assert all(torch.equal(mine[k], t) for k, t in lora.adapter_state_dict(resumed.lora).items())
+    a, b = learner.train_step(k3_batch), resumed.train_step(k3_batch)
+    assert a["loss"] == b["loss"]
+    after = lora.adapter_state_dict(resumed.lora)
+    assert all(torch.equal(t, after[k]) for k, t in lora.adapter_state_dict(learner.lora).items())
+
+    other = k3_learner(k3_dir, lora=LoraSettings(rank=2))
+    with pytest.raises(Exception, match="do not match this learner's"):
+        other.load(tmp_path / "ckpt")
+    full = Learner(LearnerConfig(model_path=str(k3_dir), lr=1e-2, micro_batch_tokens=64))
+    full.save(tmp_path / "full")
+    with pytest.raises(Exception, match="not written by a LoRA learner"):
+        k3_learner(k3_dir).load(tmp_path / "full")
+
+
+def test_peft_reads_the_adapters_of_a_qwen3_checkpoint(tmp_path, tiny_qwen3_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from k3rl.rollout.torch_engine import TorchEngine
+
+    batch = sample(TorchEngine.from_pretrained(tiny_qwen3_dir, seed=0), PROMPTS)
+    learner = Learner(LearnerConfig(model_path=str(tiny_qwen3_dir), lr=1e-2, micro_batch_tokens=64,
+                                    lora=LoraSettings(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])))
+    learner.train_step(batch)
+    learner.save(tmp_path / "ckpt")
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "ckpt" / "adapter").eval()
+    ids = torch.tensor([PROMPTS[0]])
+    learner.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, learner.model(ids).logits, atol=1e-6, rtol=0)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+        torch.testing.assert_close(merged(ids).logits, learner.model(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(lora=LoraSettings(rank=4), expert_parallel=2), "lora: adapters on a sharded learner"),
+    (dict(lora=LoraSettings(rank=-1)), "lora: rank ≥ 0"),
+])
+def test_bad_lora_settings_are_named(k3_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        LearnerConfig(model_path=str(k3_dir), **settings)
+
+
+def test_a_target_that_matches_nothing_is_named(k3_dir):
+    with pytest.raises(ValueError, match="learner.lora.targets"):
+        k3_learner(k3_dir, lora=LoraSettings(rank=2, targets=["no_such_proj"]))

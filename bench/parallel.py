@@ -133,11 +133,24 @@ def run_measured(args) -> None:
 
 # ---- sizing arithmetic (--plan)
 
+def full_ft_gpus(config, s, args, gpu) -> list[str]:
+    """GPUs to fit full-parameter RL (bf16 states sharded + full-recompute activations) at 8K / 128K / 1M."""
+    from k3rl.rl.pretrain.cost import activation_bytes
+
+    w, g, o = s.memory(2)
+    out = []
+    for length in (8192, 131072, 2**20):
+        seg = args.segment if length > args.segment else None
+        a = sum(activation_bytes(config, 1, length, seg, 2, recompute="full").values())
+        out.append(str(math.ceil((w + g + o) / (0.9 * gpu.memory_bytes - a))) if a < 0.9 * gpu.memory_bytes else "—")
+    return out
+
+
 def run_plan(args) -> None:
     """RL on the published K3 on H200 nodes, from the parameter counts and rl/pretrain/cost.py's activation model."""
     from k3rl.rl.config import load_model_config
     from k3rl.rl.pretrain.cost import activation_bytes
-    from k3rl.rl.pretrain.param_memory import parameter_summary
+    from k3rl.rl.pretrain.param_memory import lora_parameters, parameter_summary
     from k3rl.rl.pretrain.plan import GPUS
 
     config = load_model_config(str(ROOT / "configs/model/k3.yaml"), [])
@@ -184,6 +197,25 @@ def run_plan(args) -> None:
         print(f"{length // 1024:>7}K {acts[0] / GB:>15.0f} GB {acts[1] / GB:>7.0f} GB {acts[2] / GB:>7.0f} GB   "
               + " ".join(f"{n if n else '—':>{w}}" for n, w in zip(need, (17, 10, 6))))
     print("(—: one micro-batch's activations alone exceed a GPU; a shorter segment or context parallelism is needed)")
+    print("\nRL with LoRA (learner.lora, rl/train/lora.py's K3 targets: every attention and MLP projection and the "
+          "routed experts, one adapter per expert): frozen bf16 base weights sharded over the GPUs, adapters with "
+          "bf16 gradients and AdamW moments; activations as above under full recompute (LoRA's own are r-wide); "
+          "GPUs to fit as above. k3rl trains LoRA on unsharded learners only so far: the sharded counts are the "
+          "plan, not a tested layout")
+    print(f"{'rank':>5} {'adapter params':>15} {'of the model':>13} {'adapter states':>15} "
+          f"{'GPUs to fit: 8K':>16} {'128K':>6} {'1M':>5}   full fine-tuning: "
+          + " / ".join(f"{n}" for n in full_ft_gpus(config, s, args, gpu)))
+    for rank in (16, 32, 64, 128):
+        adapters = sum(lora_parameters(config, rank).values())
+        states = adapters * (2 + 2 + 2 * 2)  # weights, gradients, two moments, bf16
+        need = []
+        for length in (8192, 131072, 2**20):
+            seg = args.segment if length > args.segment else None
+            a = sum(activation_bytes(config, 1, length, seg, 2, recompute="full").values())
+            need.append(math.ceil((s.total * 2 + states) / (0.9 * gpu.memory_bytes - a))
+                        if a < 0.9 * gpu.memory_bytes else None)
+        print(f"{rank:>5} {adapters / 1e9:>13.2f} B {adapters / s.total:>12.2%} {states / GB:>12.0f} GB "
+              f"{need[0] or '—':>16} {need[1] or '—':>6} {need[2] or '—':>5}")
     mxfp4 = routed * 4.25 / 8 + other * 2  # 4-bit values + one 8-bit scale per 32; the rest bf16
     bf16 = s.total * 2
     mla = len(config.linear_attn_config["full_attn_layers"])

@@ -109,4 +109,34 @@ def parameter_summary(config: Any, optimizer: str = "adamw") -> ParamSummary:
     return summary
 
 
-__all__ = ["ParamSummary", "dtype_bytes", "parameter_summary"]
+def lora_parameters(config: Any, rank: int, targets: Any = None) -> dict[str, int]:
+    """Adapter parameters of `learner.lora` at `rank` on a K3 config, by target name (meta device, one layer of
+    each kind): r·(in + out) per adapted linear layer, r·E·(in + out) per stacked routed-expert tensor (PEFT's
+    per-expert factors); `targets` as rl/train/lora.py (None: its K3 defaults)."""
+    import torch
+    from torch import nn
+
+    from k3rl.model.modeling import K3DecoderLayer
+    from k3rl.model.moe import Experts, is_moe_layer
+    from k3rl.rl.train.lora import K3_TARGET_MODULES, K3_TARGET_PARAMETERS
+
+    names = set(targets) if targets is not None else set(K3_TARGET_MODULES) | set(K3_TARGET_PARAMETERS)
+    out: dict[str, int] = {}
+    kinds: dict[tuple[bool, bool], list[int]] = {}
+    for i in range(config.num_hidden_layers):
+        kinds.setdefault((config.is_kda_layer(i), is_moe_layer(config, i)), []).append(i)
+    with torch.device("meta"):
+        for layers in kinds.values():
+            for name, module in K3DecoderLayer(config, layers[0]).named_modules():
+                leaf = name.rsplit(".", 1)[-1]
+                if isinstance(module, nn.Linear) and leaf in names:
+                    n = rank * (module.in_features + module.out_features) * len(layers)
+                    out[leaf] = out.get(leaf, 0) + n
+                elif isinstance(module, Experts):
+                    for pname in sorted(names & set(K3_TARGET_PARAMETERS)):
+                        e, o, i = getattr(module, pname).shape
+                        out[pname] = out.get(pname, 0) + rank * e * (i + o) * len(layers)
+    return out
+
+
+__all__ = ["ParamSummary", "dtype_bytes", "lora_parameters", "parameter_summary"]

@@ -187,3 +187,14 @@ def test_bad_lora_settings_are_named(k3_dir, settings, message):
 def test_a_target_that_matches_nothing_is_named(k3_dir):
     with pytest.raises(ValueError, match="learner.lora.targets"):
         k3_learner(k3_dir, lora=LoraSettings(rank=2, targets=["no_such_proj"]))
+
+
+def test_the_plans_adapter_count_is_what_peft_builds(k3_dir):
+    """rl/pretrain/param_memory.py `lora_parameters` (bench/parallel.py --plan's LoRA rows) counts the adapters PEFT
+    puts on the model, here the tiny K3."""
+    from k3rl.rl.pretrain.param_memory import lora_parameters
+
+    policy = load_policy(k3_dir, torch.float32, torch.device("cpu"))
+    lora.apply_lora(policy, LoraSettings(rank=5))
+    built = sum(p.numel() for n, p in policy.model.named_parameters() if ".lora_" in n)
+    assert sum(lora_parameters(policy.model.config, 5).values()) == built

@@ -103,8 +103,8 @@ def init_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4] [--trust-remote-code]
-    [--allow-nonfinite]: a K3 directory in a released layout."""
+    """k3rl export SRC DST [--layout kimi_linear|kimi_k3] [--quantize mxfp4] [--merge-lora ADAPTER_DIR]
+    [--trust-remote-code] [--allow-nonfinite]: a K3 directory in a released layout."""
     parser = argparse.ArgumentParser(prog="k3rl export", description=export_main.__doc__)
     parser.add_argument("src", help="K3 directory in any layout k3rl reads (kimi_linear, kimi_k3, old k3rl_k3)")
     parser.add_argument("dst", help="directory to create (must not exist or be empty)")
@@ -112,6 +112,9 @@ def export_main(argv: list[str]) -> int:
                         help="layout to write (default: the config's checkpoint_layout rule)")
     parser.add_argument("--quantize", choices=("mxfp4",), default=None,
                         help="store the routed experts in MXFP4 (compressed-tensors): LOSSY")
+    parser.add_argument("--merge-lora", default=None, metavar="ADAPTER_DIR",
+                        help="merge LoRA adapters in PEFT's format (a LoRA run's CHECKPOINT/adapter) into SRC, "
+                             "their base, before writing")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="copy the source's own tokenizer code (tokenization_*.py named by an auto_map); "
                              "without it such a source is refused")
@@ -152,6 +155,15 @@ def export_main(argv: list[str]) -> int:
             check_remote_code(src, args.trust_remote_code, model=False)
         # verified first (model/formats/integrity.py): its COMPLETE manifest when it has one, shard set, dtypes, finite values
         model = load_model(src, dtype=dtype, allow_nonfinite=args.allow_nonfinite)
+        if args.merge_lora is not None:
+            from k3rl.rl.train.lora import merge_saved_adapter
+
+            adapter = Path(args.merge_lora)
+            if not (adapter / "adapter_config.json").is_file():
+                raise ValueError(f"--merge-lora {adapter}: no adapter_config.json (PEFT's format) there")
+            merged = merge_saved_adapter(model, adapter)
+            model = load_model(src, dtype=dtype, allow_nonfinite=args.allow_nonfinite)
+            model.load_state_dict(merged)
         # a refused write (NaN in an MXFP4 tensor) leaves no half-written temporary directory behind
         with atomic_dir(dst) as tmp:
             save_model(model, tmp, layout=args.layout, tokenizer_from=tokenizer, quantize=args.quantize,
@@ -161,6 +173,7 @@ def export_main(argv: list[str]) -> int:
         return 2
     layout = args.layout or layout_for(model.config)
     lossy = ", routed experts in MXFP4 (lossy)" if args.quantize else ""
+    lossy += f", LoRA adapters of {args.merge_lora} merged" if args.merge_lora else ""
     print(f"wrote {dst}: layout {layout}, {str(dtype).removeprefix('torch.')}{lossy}"
           f"{', tokenizer copied' if tokenizer else ''}")
     return 0

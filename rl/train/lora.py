@@ -31,6 +31,9 @@ import torch
 
 ADAPTER_DIR = "adapter"
 """A LoRA learner's checkpoint keeps its adapters here (PEFT's format) beside the merged model."""
+BUFFERS_FILE = "k3rl_buffers.safetensors"
+"""Beside the adapters: the model's buffers (K3's router balancing biases, which the learner moves outside the
+optimizer), so base + adapter directory is the whole trained state (`merge_saved_adapter`)."""
 
 K3_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "g_proj", "b_proj",
                      "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj")
@@ -128,15 +131,24 @@ def save_adapter(peft_model: Any, directory: Path, base_model_path: str) -> None
     config.base_model_name_or_path = str(base_model_path)
     config.save_pretrained(str(directory))
     save_file(adapter_state_dict(peft_model), str(directory / "adapter_model.safetensors"))
+    save_file(_buffers(peft_model), str(directory / BUFFERS_FILE))
 
 
-def load_adapter(peft_model: Any, directory: Path, base_model_path: str) -> None:
-    """Put the adapters `save_adapter` wrote into `peft_model`; refuses adapters of another base or another shape."""
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of a (wrapped) model under the base model's names."""
+    params = {n for n, _ in model.named_parameters()}
+    return {base_name(k.removeprefix("base_model.model.")): t.detach().cpu().contiguous()
+            for k, t in model.state_dict().items() if k not in params and ".lora_" not in k}
+
+
+def load_adapter(peft_model: Any, directory: Path, base_model_path: str | None) -> None:
+    """Put the adapters `save_adapter` wrote into `peft_model`; refuses adapters of another base (unless
+    `base_model_path` is None) or another shape."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     config = json.loads((directory / "adapter_config.json").read_text())
-    if str(config.get("base_model_name_or_path")) != str(base_model_path):
+    if base_model_path is not None and str(config.get("base_model_name_or_path")) != str(base_model_path):
         raise ValueError(f"{directory}: adapters of base {config.get('base_model_name_or_path')!r}, this learner's "
                          f"base is {str(base_model_path)!r}")
     saved = load_file(str(directory / "adapter_model.safetensors"))
@@ -148,7 +160,26 @@ def load_adapter(peft_model: Any, directory: Path, base_model_path: str) -> None
     result = set_peft_model_state_dict(peft_model, saved)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"{directory}: unexpected adapter tensors {result.unexpected_keys[:3]}")
+    if (directory / BUFFERS_FILE).is_file():
+        buffers = load_file(str(directory / BUFFERS_FILE))
+        mine = {base_name(k.removeprefix("base_model.model.")): t for k, t in peft_model.state_dict().items()}
+        unknown = sorted(set(buffers) - set(mine))
+        if unknown:
+            raise ValueError(f"{directory / BUFFERS_FILE}: tensors this model does not have: {unknown[:3]}")
+        with torch.no_grad():
+            for name, t in buffers.items():
+                mine[name].copy_(t)
+
+
+def merge_saved_adapter(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The state dict of `model` (a plain base model, wrapped in place here) with the adapters of `directory`
+    (PEFT's format: its config and weights) merged in: `k3rl export --merge-lora`."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(directory)))
+    load_adapter(peft_model, Path(directory), None)
+    return merged_state_dict(model)
 
 
 __all__ = ["ADAPTER_DIR", "adapted_tensors", "adapter_state_dict", "apply_lora", "base_name", "load_adapter",
-           "lora_config", "merged_state_dict", "save_adapter"]
+           "lora_config", "merge_saved_adapter", "merged_state_dict", "save_adapter"]

@@ -198,3 +198,20 @@ def test_the_plans_adapter_count_is_what_peft_builds(k3_dir):
     lora.apply_lora(policy, LoraSettings(rank=5))
     built = sum(p.numel() for n, p in policy.model.named_parameters() if ".lora_" in n)
     assert sum(lora_parameters(policy.model.config, 5).values()) == built
+
+
+def test_export_merges_the_adapters_into_their_base(tmp_path, k3_dir, k3_batch, capsys):
+    from k3rl.rl.commands.model_tools import export_main
+
+    learner = k3_learner(k3_dir)
+    learner.train_step(k3_batch)
+    learner.save(tmp_path / "ckpt")
+    assert export_main([str(k3_dir), str(tmp_path / "out"), "--merge-lora", str(tmp_path / "ckpt" / "adapter")]) == 0
+    assert "LoRA adapters of" in capsys.readouterr().out
+    exported = load_policy(tmp_path / "out", torch.float32, torch.device("cpu")).model.eval()
+    saved = load_policy(tmp_path / "ckpt", torch.float32, torch.device("cpu")).model.eval()
+    ids = torch.tensor([K3_PROMPTS[1]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, saved(ids).logits, atol=1e-6, rtol=0)
+    assert export_main([str(k3_dir), str(tmp_path / "bad"), "--merge-lora", str(tmp_path)]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err

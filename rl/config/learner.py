@@ -138,6 +138,9 @@ class SFTLearner:
     """Activations recomputed in backward (as `learner.recompute`: none, full, selective)."""
     logprob_chunk_size: int = 1024
     """Loss-token rows per LM-head chunk (`model.logprobs.selected_logprobs`)."""
+    lora: Optional[LoraSettings] = None
+    """SFT's own adapters (as `learner.lora`); null: the `learner:` section's. `sft.learner.lora.rank=0` trains the
+    warm start in full while RL trains adapters."""
 
 
 @dataclass

@@ -65,6 +65,11 @@ class LearnerConfig(LearnerSettings):
     the model's config); null: the model's own. Only a K3 model with `mla_use_nope: false` takes one."""
 
     def __post_init__(self):
+        if not isinstance(self.lora, LoraSettings):  # an override section's (OmegaConf or plain dict)
+            from omegaconf import OmegaConf
+
+            self.lora = LoraSettings(**(OmegaConf.to_container(self.lora) if OmegaConf.is_config(self.lora)
+                                        else dict(self.lora)))
         check_learner_settings(self)
 
     @property
@@ -87,8 +92,6 @@ class LearnerConfig(LearnerSettings):
         section = job.learner if "learner" in job else LearnerSettings()
         values = {f.name: getattr(section, f.name) for f in dataclasses.fields(LearnerSettings)}
         values = {k: str(v) if isinstance(v, Enum) else v for k, v in values.items()}
-        if OmegaConf.is_config(values["lora"]):
-            values["lora"] = LoraSettings(**OmegaConf.to_container(values["lora"]))
         if values["total_steps"] is None and "rl" in job:
             values["total_steps"] = int(job.rl.steps)
         values.update(model_path=str(model_path), algo=job.algo.name, algo_args=OmegaConf.to_container(job.algo.args)

@@ -349,8 +349,21 @@ class Learner:
                        lr=lr, num_loss_tokens=n[0], num_seqs=n[1],
                        num_tokens=n[2], micro_batches=micro_batches, step_time_s=elapsed,
                        train_tokens_per_s=n[2] / elapsed if elapsed > 0 else 0.0,
-                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                       trainable_params=float(sum(p.numel() for p in self.params)),
+                       optimizer_state_mib=self.optimizer_state_bytes() / 2**20)
         return metrics
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer states (moments, momenta, step counters; local shards under a mesh)."""
+        total = 0
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                for t in state.values():
+                    if torch.is_tensor(t):
+                        t = getattr(t, "_local_tensor", t)  # a DTensor's own shard
+                        total += t.numel() * t.element_size()
+        return total
 
     def named_weights(self, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the state dict (buffers such as router biases and `lm_head.weight` included),

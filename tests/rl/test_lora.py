@@ -114,6 +114,10 @@ def test_a_lora_learner_trains_adapters_only_and_engines_get_its_merged_weights(
     state = [t for o in learner.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)
              and t.dim() > 0]
     assert state and sum(t.numel() for t in state) == 2 * sum(p.numel() for p in adapters)  # Adam's two moments
+    assert m["trainable_params"] == sum(p.numel() for p in adapters)
+    steps = sum(1 for o in learner.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)
+                and t.dim() == 0)  # AdamW's fp32 step count per tensor
+    assert m["optimizer_state_mib"] * 2**20 == 2 * 4 * sum(p.numel() for p in adapters) + 4 * steps
     assert any(p.abs().sum() > 0 for n, p in learner.model.named_parameters() if ".lora_B" in n)  # they moved
 
     engine = k3_engine(k3_dir)

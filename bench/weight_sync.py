@@ -18,6 +18,13 @@ tensor fails here. Median of `--reps` syncs after one warm-up.
 
     python bench/weight_sync.py                    # tiny and small, 2 engines
     python bench/weight_sync.py --models tiny      # seconds
+    python bench/weight_sync.py --lora 16          # a LoRA learner: adapter pushes vs merged pushes
+
+`--lora R`: the learner trains rank-R adapters (`learner.lora`, rl/train/lora.py's defaults); the same Ray
+learner-put path carries either every tensor merged (`learner.lora.push: merged`) or the adapters' factors and the
+buffers (`adapters`), which each engine adds to its own copy of the base (rollout/weight_transfer.py). Bytes and
+ms per sync; after the syncs every engine's weights are checked against the learner's merged ones (fp32 rounding:
+atol 1e-5).
 """
 
 from __future__ import annotations
@@ -118,13 +125,57 @@ def measure(model_dir: Path, workers: int, reps: int) -> dict:
     return dict(bytes=nbytes, per_gb={k: v / gb for k, v in rows.items()}, ms=rows)
 
 
+def measure_lora(model_dir: Path, workers: int, reps: int, rank: int) -> list[tuple[str, int, float]]:
+    """(push, bytes per sync, ms per sync) of a LoRA learner's merged and adapter pushes (module docstring)."""
+    from k3rl.rl.config.learner import LoraSettings
+    from k3rl.rl.train.lora import merged_state_dict
+
+    rows = []
+    remote = ray.remote(EngineActor)
+    for push in ("merged", "adapters"):
+        cfg = LearnerConfig(model_path=str(model_dir), lr=1e-4, lora=LoraSettings(rank=rank, alpha=2.0 * rank,
+                                                                                  push=push))
+        learner = Learner(cfg)  # this process's twin of the actor's, for the byte count
+        nbytes = sum(t.numel() * t.element_size() for _, t in learner.push_weights(copy=False))
+        group = LearnerGroup(cfg, num_ranks=1, num_cpus_per_rank=1)
+        engines = [remote.options(num_cpus=0.5).remote(str(model_dir)) for _ in range(workers)]
+        ray.get([e.state.remote() for e in engines])
+        ms = median_ms(lambda: ray.get([e.load_weights.remote(group.weights_ref(), 1) for e in engines]), reps)
+        # (PEFT starts B at 0, so these pushes carry ΔW = 0: the bytes and time are a real push's, the values are
+        # checked in tests/rl/test_lora.py with trained adapters)
+        want = {k: v for k, v in ray.get(group.actors[0].named_weights.remote())}
+        for e in engines:
+            got = ray.get(e.state.remote())
+            bad = [n for n, t in want.items() if not torch.allclose(got[n], t, atol=1e-5, rtol=0)]
+            assert not bad, f"{push}: an engine's weights differ from the learner's merged ones: {bad[:3]}"
+        assert merged_state_dict(learner.model).keys() == want.keys()
+        rows.append((push, nbytes, ms))
+        group.shutdown()
+        for e in engines:
+            ray.kill(e)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--lora", type=int, default=None, metavar="RANK", help="a LoRA learner: adapter vs merged pushes")
     args = ap.parse_args(argv)
     init_ray(RayConfig(address=None, num_cpus=2), log_to_driver=False)
+    if args.lora:
+        print(f"load {os.getloadavg()[0]:.2f}, {args.workers} engines, LoRA rank {args.lora}, median of {args.reps} "
+              f"syncs (Ray, learner-put); every engine checked against the learner's merged weights")
+        print("| model | push | MB per sync | ms per sync | bytes vs merged | time vs merged |")
+        print("|---|---|---|---|---|---|")
+        with tempfile.TemporaryDirectory() as tmp:
+            for model in args.models:
+                (_, mb, mt), (_, ab, at) = measure_lora(build(model, Path(tmp)), args.workers, args.reps, args.lora)
+                for push, b, t in (("merged", mb, mt), ("adapters", ab, at)):
+                    print(f"| {model} | {push} | {b / 1e6:.1f} | {t:.1f} | {b / mb:.3f}× | {t / mt:.2f}× |", flush=True)
+        ray.shutdown()
+        return 0
     print(f"load {os.getloadavg()[0]:.2f}, {args.workers} engines, median of {args.reps} syncs; every engine's weights "
           f"checked equal to the learner's after the syncs")
     print("| model | MB | path | ms per sync | ms/GB | ÷ memcpy |")

@@ -48,6 +48,7 @@ import torch
 
 from k3rl.rollout.engine import Completion, SamplingParams
 from k3rl.rollout.sessions import PrefillStats, Session, SessionStore
+from k3rl.rollout.weight_transfer import merge_adapters, split_adapters
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -93,6 +94,8 @@ class TorchEngine:
         """Continue a session whose state older weights computed instead of prefilling it in full."""
         self.sessions = SessionStore()
         self.stats = PrefillStats()
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """The base value of each tensor an adapter push changes, kept at its first push."""
 
     @property
     def keeps_state(self) -> bool:
@@ -117,13 +120,16 @@ class TorchEngine:
         version that computed them, `session_version`; `generate` resumes them under other weights only with
         `resume_stale`)."""
         state = self.model.state_dict()
-        updates = dict(named_tensors)
+        # a LoRA learner's adapter push (rollout/weight_transfer.py): factors merged into the engine's base copy
+        plain, factors = split_adapters(named_tensors)
+        updates = dict(plain)
         unknown = sorted(set(updates) - set(state))
         if unknown:
             raise ValueError(f"weight update has tensors this model does not: {unknown[:5]}")
         for name, t in updates.items():
             if state[name].shape != t.shape:
                 raise ValueError(f"weight update '{name}': shape {list(t.shape)}, model has {list(state[name].shape)}")
+        merge_adapters(factors, state, self._lora_base)  # checks every pair before it writes
         with torch.no_grad():
             for name, t in updates.items():
                 state[name].copy_(t)

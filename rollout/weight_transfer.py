@@ -49,6 +49,44 @@ class PackedWeights:
             yield name, flat[offset:offset + n].view(dt).view(shape)
 
 
+ADAPTER_SUFFIXES = ("@lora_P", "@lora_Q")
+
+
+def split_adapters(named: Iterable[tuple[str, torch.Tensor]]
+                   ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+    """(the plain (name, tensor) pairs, {name: {"P": …, "Q": …}}) of a push: a LoRA learner's adapter factors
+    (rl/train/lora.py `push_tensors`) apart from the tensors loaded as they are."""
+    plain, factors = [], {}
+    for name, t in named:
+        stem, sep, part = name.rpartition("@lora_")
+        if sep:
+            factors.setdefault(stem, {})[part] = t
+        else:
+            plain.append((name, t))
+    return plain, factors
+
+
+def merge_adapters(factors: dict[str, dict[str, torch.Tensor]], state: dict[str, torch.Tensor],
+                   base: dict[str, torch.Tensor]) -> None:
+    """Set `state[name] = base[name] + P @ Q` in place for every factor pair; `base` keeps the engine's own value
+    of `name` from before its first adapter push (an engine built from the learner's base model), so every push
+    is exact, never a sum of the previous ones. Every pair is checked before anything is written."""
+    for name, f in factors.items():
+        if set(f) != {"P", "Q"} or name not in state:
+            raise ValueError(f"adapter push '{name}': incomplete factors ({sorted(f)}) or a tensor this model "
+                             f"does not have")
+        shape = (*f["P"].shape[:-1], f["Q"].shape[-1])
+        if shape != tuple(state[name].shape) or f["P"].shape[-1] != f["Q"].shape[-2]:
+            raise ValueError(f"adapter push '{name}': P {list(f['P'].shape)} @ Q {list(f['Q'].shape)} does not "
+                             f"give the tensor's {list(state[name].shape)}")
+    with torch.no_grad():
+        for name, f in factors.items():
+            target = state[name]
+            if name not in base:
+                base[name] = target.detach().clone()
+            target.copy_(base[name] + torch.matmul(f["P"].to(target.dtype), f["Q"].to(target.dtype)))
+
+
 def pack_weights(named: Iterable[tuple[str, torch.Tensor]], reuse: np.ndarray | None = None) -> PackedWeights:
     """Copy (name, tensor) pairs (any device, any dtype) into one CPU buffer: `reuse` when it has the right size
     (a sender that pushes every step keeps its buffer: a fresh one costs a page fault per 4 KiB on every push)."""

@@ -150,7 +150,7 @@ def test_every_learner_setting_reaches_the_learner_config():
               "compute_entropy": True, "lr_scheduler": "cosine", "warmup_steps": 4, "total_steps": 40,
               "micro_batch_seqs": 2, "segment_tokens": 4096, "share_prefix": False, "decay_steps": 5,
               "min_lr_ratio": 0.1, "expert_parallel": 1, "fsdp": False}
-    lora = {"rank": 8, "alpha": 4.0, "dropout": 0.25, "targets": ["q_proj", "w1"]}
+    lora = {"rank": 8, "alpha": 4.0, "dropout": 0.25, "push": "merged", "targets": ["q_proj", "w1"]}
     assert set(values) | {"lora"} == {f.name for f in dataclasses.fields(LearnerSettings)}
     job = load_config(None, [f"learner.{k}={v}" for k, v in values.items()] + ["algo.name=ppo", "run.seed=5"]
                       + [f"learner.lora.{k}={v}".replace("'", "") for k, v in lora.items()])

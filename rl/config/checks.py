@@ -55,6 +55,8 @@ def check_learner_settings(s: Any) -> None:
     if lora.rank < 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
         raise ValueError(f"lora: rank ≥ 0, alpha > 0 and dropout in [0, 1) needed, got rank {lora.rank}, alpha "
                          f"{lora.alpha}, dropout {lora.dropout}")
+    if lora.push not in ("adapters", "merged"):
+        raise ValueError(f"lora.push: `adapters` or `merged`, got {lora.push!r}")
     if lora.rank and (s.expert_parallel > 1 or bool(s.fsdp)):
         raise ValueError(f"lora: adapters on a sharded learner (expert_parallel = {s.expert_parallel}, fsdp = "
                          f"{str(bool(s.fsdp)).lower()}) are not supported yet; train LoRA on unsharded ranks")
@@ -113,6 +115,10 @@ def check_device(cfg: Any) -> None:
 
 def check_train(cfg: Any) -> None:
     """The trainer's schedule, workers and devices (rl/orchestrator/preflight.py checks the model and environment)."""
+    lora = cfg.learner.lora
+    if lora.rank and lora.push == "adapters" and str(cfg.rollout.engine) == "vllm":
+        raise ConfigError("learner.lora.push: `adapters` needs the native engine (rollout.engine=torch); the vLLM "
+                          "engine takes merged weights: set learner.lora.push=merged")
     _at_least(cfg, ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.keep_checkpoints"), 1)
     _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds",
                     "eval.grid_every"), 0)

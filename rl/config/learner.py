@@ -22,6 +22,10 @@ class LoraSettings:
     """Scale numerator: an adapter adds (alpha / rank)·B·A to its weight."""
     dropout: float = 0.0
     """Dropout on an adapted linear layer's input, on the adapter's path only."""
+    push: str = "adapters"
+    """What the rollout engines receive after a step: `adapters`, each adapted tensor's low-rank factors (the native
+    engine adds them to its own copy of the base, rollout/weight_transfer.py), or `merged`, every tensor with the
+    adapters merged (what the vLLM engine takes)."""
     targets: Optional[list[str]] = None
     """Leaf names of the linear layers to adapt (`q_proj`, `gate_proj`, …) and, on K3, `w1`/`w2`/`w3` for the
     stacked routed experts; null: rl/train/lora.py's defaults (K3: attention, MLPs and experts, not the routers;

@@ -73,7 +73,7 @@ class LearnerWorker:
     def _pack(self):
         """The weights packed into this rank's reused buffer (rollout/weight_transfer.py); None on the ranks of a
         sharded group other than 0, which only take part in gathering them."""
-        named = self.learner.named_weights(copy=False)
+        named = self.learner.push_weights(copy=False)
         if not named:
             return None
         packed = pack_weights(named, reuse=self._pack_buffer)

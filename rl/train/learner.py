@@ -376,6 +376,13 @@ class Learner:
         state = self.model.state_dict() if self.lora is None else lora.merged_state_dict(self.model)
         return [(name, t.detach().to("cpu", copy=copy)) for name, t in state.items()]
 
+    def push_weights(self, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """What the rollout engines get after a step: `named_weights`, or with `learner.lora.push: adapters` the
+        adapters' factors and the buffers alone (rl/train/lora.py `push_tensors`)."""
+        if self.lora is not None and self.cfg.lora.push == "adapters":
+            return [(name, t.detach().to("cpu", copy=copy)) for name, t in lora.push_tensors(self.model)]
+        return self.named_weights(copy=copy)
+
     def save_into(self, directory: str | Path) -> None:
         """Write this rank's part of a checkpoint into `directory` (rank 0: model, tokenizer, optimizer; every rank:
         its RNG states; under a mesh every rank its shards): rl/train/learner_state.py. Not atomic by itself: see

@@ -114,6 +114,28 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def push_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a LoRA learner pushes to native engines (`learner.lora.push: adapters`): per adapted tensor `name` its
+    factors `name@lora_P` ([rows, r], or [experts, rows, r]; the scale folded in) and `name@lora_Q` ([r, cols] or
+    [experts, r, cols]) with ΔW = P @ Q, plus the model's buffers (the routers' biases) under their own names —
+    r·(rows + cols) values per adapted matrix instead of rows·cols. rollout/weight_transfer.py `merge_adapters`
+    adds them to the engine's own copy of the base (PEFT's `get_delta_factors`; tested equal to `merged_state_dict`)."""
+    from peft.tuners.lora import ParamWrapper
+
+    out = []
+    with torch.no_grad():
+        for name, layer in adapted_tensors(model):
+            (adapter,) = layer.active_adapters
+            if isinstance(layer, ParamWrapper) and layer.num_experts > 1:
+                lhs, rhs, scale = layer.get_delta_factors(adapter)
+            else:
+                lhs, rhs = layer.lora_B[adapter].weight, layer.lora_A[adapter].weight
+                scale = layer.scaling[adapter]
+            out += [(f"{name}@lora_P", (lhs * scale).detach()), (f"{name}@lora_Q", rhs.detach())]
+    out += list(_buffers(model).items())
+    return out
+
+
 def adapter_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
     """The adapters alone, under PEFT's saved names."""
     from peft import get_peft_model_state_dict
@@ -182,4 +204,4 @@ def merge_saved_adapter(model: torch.nn.Module, directory: Path) -> dict[str, to
 
 
 __all__ = ["ADAPTER_DIR", "adapted_tensors", "adapter_state_dict", "apply_lora", "base_name", "load_adapter",
-           "lora_config", "merge_saved_adapter", "merged_state_dict", "save_adapter"]
+           "lora_config", "merge_saved_adapter", "merged_state_dict", "push_tensors", "save_adapter"]

@@ -219,3 +219,47 @@ def test_export_merges_the_adapters_into_their_base(tmp_path, k3_dir, k3_batch, 
         torch.testing.assert_close(exported(ids).logits, saved(ids).logits, atol=1e-6, rtol=0)
     assert export_main([str(k3_dir), str(tmp_path / "bad"), "--merge-lora", str(tmp_path)]) == 2
     assert "no adapter_config.json" in capsys.readouterr().err
+
+
+def nbytes(named) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
+
+
+def test_an_adapter_push_gives_the_native_engine_the_merged_weights(k3_dir, k3_batch):
+    """`learner.lora.push: adapters`: the engine adds P @ Q to its own base copy (rollout/weight_transfer.py) and
+    ends with the learner's merged weights, push after push (each exact, not a sum of the previous)."""
+    learner = k3_learner(k3_dir)
+    engine = k3_engine(k3_dir)
+    for _ in range(2):
+        learner.train_step(k3_batch)
+        push = learner.push_weights()
+        engine.load_weights(push, version=learner.version)
+        merged = lora.merged_state_dict(learner.model)
+        for name, t in engine.model.state_dict().items():
+            torch.testing.assert_close(t, merged[name], atol=2e-6, rtol=0, msg=name)
+    full = learner.named_weights()
+    assert nbytes(push) < 0.5 * nbytes(full), (nbytes(push), nbytes(full))
+    assert any(n.endswith("e_score_correction_bias") for n, _ in push)  # the routers' moved biases travel too
+    fresh = sample(engine, K3_PROMPTS, group_size=2, max_tokens=6, seed=4)
+    for t, lp in zip(fresh, learner.score(fresh)):
+        np.testing.assert_allclose(lp, behaviour(t), atol=2e-4)
+
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    broken = [(n, t) for n, t in push if not n.endswith("@lora_Q")]
+    with pytest.raises(ValueError, match="incomplete factors"):
+        engine.load_weights(broken, version=99)
+    assert engine.version == learner.version
+    assert all(torch.equal(before[n], t) for n, t in engine.model.state_dict().items())  # nothing written
+
+    merged_push = k3_learner(k3_dir, lora=LoraSettings(rank=4, alpha=8.0, push="merged")).push_weights()
+    assert [n for n, _ in merged_push] == [n for n, _ in full]
+
+
+def test_adapter_pushes_need_the_native_engine():
+    from k3rl.rl.config import ConfigError, load_config
+    from k3rl.rl.config.checks import check_train
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs/rl/quickstart.yaml"),
+                      ["learner.lora.rank=8", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="learner.lora.push=merged"):
+        check_train(cfg)

@@ -164,29 +164,25 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", type=int, default=None, metavar="RANK", help="a LoRA learner: adapter vs merged pushes")
     args = ap.parse_args(argv)
     init_ray(RayConfig(address=None, num_cpus=2), log_to_driver=False)
-    if args.lora:
-        print(f"load {os.getloadavg()[0]:.2f}, {args.workers} engines, LoRA rank {args.lora}, median of {args.reps} "
-              f"syncs (Ray, learner-put); every engine checked against the learner's merged weights")
-        print("| model | push | MB per sync | ms per sync | bytes vs merged | time vs merged |")
-        print("|---|---|---|---|---|---|")
-        with tempfile.TemporaryDirectory() as tmp:
-            for model in args.models:
-                (_, mb, mt), (_, ab, at) = measure_lora(build(model, Path(tmp)), args.workers, args.reps, args.lora)
-                for push, b, t in (("merged", mb, mt), ("adapters", ab, at)):
-                    print(f"| {model} | {push} | {b / 1e6:.1f} | {t:.1f} | {b / mb:.3f}× | {t / mt:.2f}× |", flush=True)
-        ray.shutdown()
-        return 0
-    print(f"load {os.getloadavg()[0]:.2f}, {args.workers} engines, median of {args.reps} syncs; every engine's weights "
-          f"checked equal to the learner's after the syncs")
-    print("| model | MB | path | ms per sync | ms/GB | ÷ memcpy |")
-    print("|---|---|---|---|---|---|")
+    what = f"LoRA rank {args.lora}, " if args.lora else ""
+    print(f"load {os.getloadavg()[0]:.2f}, {args.workers} engines, {what}median of {args.reps} syncs; every engine's "
+          f"weights checked against the learner's after the syncs")
+    header = (["model", "push", "MB per sync", "ms per sync", "bytes vs merged", "time vs merged"] if args.lora else
+              ["model", "MB", "path", "ms per sync", "ms/GB", "÷ memcpy"])
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
-            r = measure(build(model, Path(tmp)), args.workers, args.reps)
-            base = r["per_gb"]["memcpy"]
-            for path, ms in r["ms"].items():
-                print(f"| {model} | {r['bytes'] / 1e6:.0f} | {path} | {ms:.1f} | {r['per_gb'][path]:.0f} | "
-                      f"{r['per_gb'][path] / base:.1f}× |", flush=True)
+            if args.lora:
+                (_, mb, mt), (_, ab, at) = measure_lora(build(model, Path(tmp)), args.workers, args.reps, args.lora)
+                rows = [(model, push, f"{b / 1e6:.1f}", f"{t:.1f}", f"{b / mb:.3f}×", f"{t / mt:.2f}×")
+                        for push, b, t in (("merged", mb, mt), ("adapters", ab, at))]
+            else:
+                r = measure(build(model, Path(tmp)), args.workers, args.reps)
+                base = r["per_gb"]["memcpy"]
+                rows = [(model, f"{r['bytes'] / 1e6:.0f}", path, f"{ms:.1f}", f"{r['per_gb'][path]:.0f}",
+                         f"{r['per_gb'][path] / base:.1f}×") for path, ms in r["ms"].items()]
+            for row in rows:
+                print("| " + " | ".join(row) + " |", flush=True)
     ray.shutdown()
     return 0
 

@@ -53,6 +53,17 @@ def dtype_bytes(dtype: Any) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[str(dtype).replace("torch.", "")]
 
 
+def layer_kinds(config: Any) -> list[list[int]]:
+    """The decoder layers grouped by kind (KDA or MLA mixer, MoE or dense FFN): one layer of each kind is built
+    and counted for all of its kind."""
+    from k3rl.model.moe import is_moe_layer
+
+    kinds: dict[tuple[bool, bool], list[int]] = {}
+    for i in range(config.num_hidden_layers):
+        kinds.setdefault((config.is_kda_layer(i), is_moe_layer(config, i)), []).append(i)
+    return list(kinds.values())
+
+
 def parameter_summary(config: Any, optimizer: str = "adamw") -> ParamSummary:
     """Counts of `config` on the meta device: total/active (model/params.py) and the learner's optimizer groups
     (rl/train/optim.py `build_optimizers`: Muon for the 2-D and stacked hidden matrices, not the embedding or LM head;
@@ -62,7 +73,6 @@ def parameter_summary(config: Any, optimizer: str = "adamw") -> ParamSummary:
 
     from k3rl.model.attn_res import RMSNorm
     from k3rl.model.modeling import AttnResProj, K3DecoderLayer, K3PreTrainedModel
-    from k3rl.model.moe import is_moe_layer
     from k3rl.model.params import count_parameters
     from k3rl.model.vision import PatchEmbed
 
@@ -85,11 +95,8 @@ def parameter_summary(config: Any, optimizer: str = "adamw") -> ParamSummary:
         if any(k in name for k in keep_fp32):
             summary.fp32_kept += times * p.numel()
 
-    kinds: dict[tuple[bool, bool], list[int]] = {}
-    for i in range(config.num_hidden_layers):
-        kinds.setdefault((config.is_kda_layer(i), is_moe_layer(config, i)), []).append(i)
     with torch.device("meta"):
-        for layers in kinds.values():
+        for layers in layer_kinds(config):
             for name, p in K3DecoderLayer(config, layers[0]).named_parameters():
                 add(name, p, len(layers), first=layers[0] == 0)
         d = config.hidden_size
@@ -117,16 +124,13 @@ def lora_parameters(config: Any, rank: int, targets: Any = None) -> dict[str, in
     from torch import nn
 
     from k3rl.model.modeling import K3DecoderLayer
-    from k3rl.model.moe import Experts, is_moe_layer
+    from k3rl.model.moe import Experts
     from k3rl.rl.train.lora import K3_TARGET_MODULES, K3_TARGET_PARAMETERS
 
     names = set(targets) if targets is not None else set(K3_TARGET_MODULES) | set(K3_TARGET_PARAMETERS)
     out: dict[str, int] = {}
-    kinds: dict[tuple[bool, bool], list[int]] = {}
-    for i in range(config.num_hidden_layers):
-        kinds.setdefault((config.is_kda_layer(i), is_moe_layer(config, i)), []).append(i)
     with torch.device("meta"):
-        for layers in kinds.values():
+        for layers in layer_kinds(config):
             for name, module in K3DecoderLayer(config, layers[0]).named_modules():
                 leaf = name.rsplit(".", 1)[-1]
                 if isinstance(module, nn.Linear) and leaf in names:

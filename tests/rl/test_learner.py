@@ -402,19 +402,26 @@ def test_one_rank_group_equals_learner(ray_cluster, tiny_qwen3_dir, qwen_batch):
 K3_PROMPTS = [[3, 100, 200, 300, 400, 500], [3, 7, 8, 9]]
 
 
-@pytest.fixture(scope="module")
-def k3_setup(tmp_path_factory):
-    """The tiny K3 saved as an HF dir, and trajectories its TorchEngine sampled (with routing)."""
+def save_tiny_k3(path: Path):
+    """A random tiny K3 (configs/model/tiny.yaml, seed 0, a wide LM head) saved as an HF dir at `path`; the model."""
     from k3rl.model.modeling import K3ForCausalLM
     from k3rl.rl.config import load_model_config
-    from k3rl.rollout.torch_engine import TorchEngine
 
     torch.manual_seed(0)
     k3 = K3ForCausalLM(load_model_config(str(Path(__file__).parents[2] / "configs/model/tiny.yaml")))
     with torch.no_grad():
         k3.lm_head.weight.normal_(0.0, 0.3)  # spread-out next-token distributions
-    path = tmp_path_factory.mktemp("tiny-k3")
     k3.save_pretrained(path)
+    return k3
+
+
+@pytest.fixture(scope="module")
+def k3_setup(tmp_path_factory):
+    """The tiny K3 saved as an HF dir, and trajectories its TorchEngine sampled (with routing)."""
+    from k3rl.rollout.torch_engine import TorchEngine
+
+    path = tmp_path_factory.mktemp("tiny-k3")
+    k3 = save_tiny_k3(path)
     tokenizer = SimpleNamespace(eos_token_id=None, pad_token_id=0)  # ids only: no stop strings, no decoding
     engine = TorchEngine(k3, tokenizer, seed=0)
     batch = sample(engine, K3_PROMPTS, group_size=3, max_tokens=8)

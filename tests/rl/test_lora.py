@@ -17,22 +17,15 @@ from k3rl.model.policy import load_policy
 from k3rl.rl.config.learner import LoraSettings
 from k3rl.rl.train import lora
 from k3rl.rl.train.learner import Learner, LearnerConfig
-from tests.rl.test_learner import PROMPTS, behaviour, sample
+from tests.rl.test_learner import PROMPTS, behaviour, sample, save_tiny_k3
 
 K3_PROMPTS = [[5, 17, 42, 99, 7, 250], [11, 12, 300, 8]]
 
 
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory):
-    from k3rl.model.modeling import K3ForCausalLM
-    from k3rl.rl.config import load_model_config
-
-    torch.manual_seed(0)
-    k3 = K3ForCausalLM(load_model_config(str(Path(__file__).parents[2] / "configs/model/tiny.yaml")))
-    with torch.no_grad():
-        k3.lm_head.weight.normal_(0.0, 0.3)
     path = tmp_path_factory.mktemp("tiny-k3-lora")
-    k3.save_pretrained(path)
+    save_tiny_k3(path)
     return path
 
 

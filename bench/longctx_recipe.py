@@ -2,8 +2,8 @@
 
     python bench/longctx_recipe.py --seed 0                       # one seed, native CPU code path
     python bench/longctx_recipe.py --seed 0 --path generic        # the same on torch's non-vectorised kernels
-    python bench/longctx_recipe.py --seed 0 --rl-lengths 8192 16384 --eval-lengths 1024 4096 16384 32768
-    python bench/longctx_recipe.py --seed 0 --sft-set sft.max_steps=1000 --rl-set rl.steps=40 rl.tasks_per_step=4
+    python bench/longctx_recipe.py --seed 0 --rl-lengths 4096 8192 --eval-lengths 1024 4096 16384 32768
+    python bench/longctx_recipe.py --seed 0 --sft-set sft.max_steps=1000 --rl-set rl.steps=40 learner.lr=1e-4
 
 Stages, each a `k3rl` command on a config of configs/longctx/ (a stage whose output exists is skipped, so the
 same command continues a cut run):
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--path", choices=sorted(PATHS), default="native", help="CPU code path (bench/quickstart_seeds.py)")
     p.add_argument("--out", type=Path, default=None, help="default: runs/longctx-recipe/seed<S>-<path>")
-    p.add_argument("--rl-lengths", type=int, nargs="+", default=[16384])
+    p.add_argument("--rl-lengths", type=int, nargs="+", default=[4096])
     p.add_argument("--eval-lengths", type=int, nargs="+", default=None,
                    help="grid lengths (default: configs/longctx/eval.yaml's)")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every command")

@@ -96,8 +96,9 @@ class Judge:
                 return _as_cached(self._cache[key])
         prompt = JUDGE_PROMPT.format(question=question, answer=answer, gold=" | ".join(gold),
                                      evidence=" | ".join(evidence) or "none given")
-        try:
+        with self._lock:
             self.requests += 1
+        try:
             reply = self.client.chat([{"role": "user", "content": prompt}], self.model, self.max_tokens, stop=[]).text
         except EndpointError as e:
             grade = Grade(0.0, f"{e.kind}: {e}")

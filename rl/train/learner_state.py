@@ -114,8 +114,10 @@ def read_plain(learner: Any, path: Path) -> None:
     except Exception as e:  # truncated or foreign files: name the checkpoint
         raise ckpt.CorruptCheckpointError(f"{path}: cannot read the learner state ({type(e).__name__}: {e})") from e
     model_state = learner.model.state_dict()
-    adapted: set[str] = set()
     if learner.lora is not None:
+        if not (path / lora.ADAPTER_DIR / "adapter_config.json").is_file():  # refused before anything is written
+            raise ckpt.CheckpointError(f"{path}: no {lora.ADAPTER_DIR}/ (not written by a LoRA learner); start a new "
+                                       f"run from its weights (rl.model_path={path}) instead")
         # the saved model is merged: the base keeps its own weights, the adapters come from their own files, and
         # the rest (router biases the balancer moved, frozen tensors) from the saved model
         adapted = {name for name, _ in lora.adapted_tensors(learner.model)}
@@ -135,12 +137,8 @@ def read_plain(learner: Any, path: Path) -> None:
         for name, t in weights.items():
             model_state[name].copy_(t)
     if learner.lora is not None:
-        adapter = path / lora.ADAPTER_DIR
-        if not (adapter / "adapter_config.json").is_file():
-            raise ckpt.CheckpointError(f"{path}: no {lora.ADAPTER_DIR}/ (not written by a LoRA learner); start a new "
-                                       f"run from its weights (rl.model_path={path}) instead")
         try:
-            lora.load_adapter(learner.lora, adapter, learner.cfg.model_path)
+            lora.load_adapter(learner.lora, path / lora.ADAPTER_DIR, learner.cfg.model_path)
         except ValueError as e:
             raise ckpt.CheckpointError(str(e)) from None
     load_optimizer_state(learner, path, state)

@@ -38,7 +38,7 @@ from k3rl.rl.config.checks import check_learner_settings
 from k3rl.rl.config.learner import LoraSettings
 from k3rl.rl.train import learner_state, lora, parallel, router_balance, segments, units
 from k3rl.rl.train.batching import TrainSequence, collate, to_train_sequence
-from k3rl.rl.train.optim import build_optimizers, build_schedulers
+from k3rl.rl.train.optim import build_optimizers, build_schedulers, state_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -351,19 +351,8 @@ class Learner:
                        train_tokens_per_s=n[2] / elapsed if elapsed > 0 else 0.0,
                        peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                        trainable_params=float(sum(p.numel() for p in self.params)),
-                       optimizer_state_mib=self.optimizer_state_bytes() / 2**20)
+                       optimizer_state_mib=state_bytes(self.optimizers) / 2**20)
         return metrics
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of this rank's optimizer states (moments, momenta, step counters; local shards under a mesh)."""
-        total = 0
-        for opt in self.optimizers:
-            for state in opt.state.values():
-                for t in state.values():
-                    if torch.is_tensor(t):
-                        t = getattr(t, "_local_tensor", t)  # a DTensor's own shard
-                        total += t.numel() * t.element_size()
-        return total
 
     def named_weights(self, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the state dict (buffers such as router biases and `lm_head.weight` included),

@@ -124,4 +124,16 @@ def restore_schedulers(schedulers: list[torch.optim.lr_scheduler.LRScheduler], s
             sched.step()
 
 
-__all__ = ["ExpertMuon", "build_optimizers", "build_schedulers", "restore_schedulers"]
+
+def state_bytes(optimizers) -> int:
+    """Bytes of the optimizers' states on this rank (moments, momenta, step counters; local shards under a mesh)."""
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for t in state.values():
+                if torch.is_tensor(t):
+                    t = getattr(t, "_local_tensor", t)  # a DTensor's own shard
+                    total += t.numel() * t.element_size()
+    return total
+
+__all__ = ["ExpertMuon", "build_optimizers", "build_schedulers", "restore_schedulers", "state_bytes"]

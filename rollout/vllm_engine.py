@@ -19,6 +19,13 @@ writes no ViT, and images reach k3rl's model through its own patch projection, w
 learner sends its internal names (`model.*`, routed experts stacked `….experts.w1` [E, …]); `released_weights`
 turns them into the names of the directory's layout (experts one tensor each, `language_model.` for kimi_k3,
 the native patch weight left out) before vLLM's `load_weights` sees them.
+
+LoRA (`learner.lora.push: adapters`, rl/train/lora.py `push_tensors`): an engine built with `lora_rank` serves the
+pushed low-rank factors as a vLLM LoRA adapter instead of reloading weights. Each push is written as a PEFT
+directory (`lora_B` = P with the scale folded in, `lora_A` = Q, `lora_alpha` = r so vLLM's scale is 1) that the
+next `generate` loads under a fresh adapter id; the base weights never move. Where vLLM cannot take adapters —
+K3 layouts (vLLM's Kimi-K3 module has no LoRA path here) and adapters on stacked (3-D) expert tensors — the engine
+refuses them by name, and the learner pushes merged weights instead (`learner.lora.push: merged`).
 """
 
 from __future__ import annotations
@@ -27,12 +34,17 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from k3rl.rollout.engine import Completion, SamplingParams
+from k3rl.rollout.weight_transfer import split_adapters
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's `max_lora_rank` takes (vllm/config/lora.py `MaxLoRARanks`)."""
 
 
 def k3_layout(config: dict) -> str | None:
@@ -42,6 +54,34 @@ def k3_layout(config: dict) -> str | None:
 
     model_type = config.get("model_type")
     return model_type if model_type in LAYOUTS else None
+
+
+def peft_adapter_dir(factors: dict[str, dict[str, torch.Tensor]], directory: Path) -> int:
+    """Write a push's adapter factors ({weight name: {"P": [out, r], "Q": [r, in]}}, rollout/weight_transfer.py
+    `split_adapters`) as a PEFT adapter directory vLLM's LoRA loader reads; returns the rank. ΔW = P @ Q, so
+    `lora_B` = P, `lora_A` = Q and `lora_alpha` = r (scale 1)."""
+    from safetensors.torch import save_file
+
+    tensors, modules, ranks = {}, set(), set()
+    for name, f in factors.items():
+        if f["P"].dim() != 2:
+            raise ValueError(f"adapter push '{name}': adapters on stacked expert tensors ({list(f['P'].shape)}) "
+                             f"have no vLLM LoRA path; leave the experts out of learner.lora.targets or set "
+                             f"learner.lora.push=merged")
+        stem = name.removesuffix(".weight")
+        tensors[f"base_model.model.{stem}.lora_A.weight"] = f["Q"].detach().to("cpu", torch.float32).contiguous()
+        tensors[f"base_model.model.{stem}.lora_B.weight"] = f["P"].detach().to("cpu", torch.float32).contiguous()
+        modules.add(stem.rsplit(".", 1)[-1])
+        ranks.add(f["Q"].shape[0])
+    if len(ranks) != 1:
+        raise ValueError(f"adapter push: factors of ranks {sorted(ranks)}; one adapter has one rank")
+    (rank,) = ranks
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted(modules), "task_type": "CAUSAL_LM", "use_rslora": False}
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return rank
 
 
 def released_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -61,7 +101,7 @@ class VLLMEngine:
     """Serve any model vLLM supports from a local HF directory; see module docstring."""
 
     def __init__(self, model_dir: str | Path, max_model_len: int = 4096, dtype: str = "auto", seed: int = 0,
-                 trust_remote_code: bool = False, **llm_kwargs):
+                 trust_remote_code: bool = False, lora_rank: int = 0, **llm_kwargs):
         from k3rl.model.formats.integrity import verify_model_dir
         from k3rl.model.formats.trust import check_remote_code
 
@@ -78,6 +118,19 @@ class VLLMEngine:
                              f"CUDA, so on this host serve it with the torch engine (rollout.engine=torch)")
         if self.layout == "kimi_k3":
             llm_kwargs.setdefault("language_model_only", True)
+        if lora_rank:
+            if self.layout is not None:
+                raise ValueError(f"{self.model_dir}: a K3 checkpoint takes no vLLM LoRA adapters here (module "
+                                 f"docstring); set learner.lora.push=merged")
+            llm_kwargs.update(enable_lora=True, max_loras=1,
+                              max_lora_rank=min((r for r in VLLM_LORA_RANKS if r >= lora_rank), default=lora_rank))
+        self.lora_rank = lora_rank
+        self._lora_request = None
+        self._lora_dir: Path | None = None
+        self._lora_ids = 0
+        self._lora_root = Path(tempfile.mkdtemp(prefix="k3rl-lora-")) if lora_rank else None
+        if self._lora_root is not None:  # the pushed adapters go with the engine
+            weakref.finalize(self, shutil.rmtree, str(self._lora_root), True)
         if torch.cuda.is_available():
             import vllm
 
@@ -99,7 +152,7 @@ class VLLMEngine:
             stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
             include_stop_str_in_output=True, logprobs=0, seed=params.seed)
         outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self._lora_request)
         results = []
         for out in outs:
             samples = []
@@ -111,7 +164,9 @@ class VLLMEngine:
         return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        named = list(named_tensors)
+        named, factors = split_adapters(named_tensors)
+        if factors:
+            return self._load_adapter(named, factors, version)
         if not self.tied and "lm_head.weight" not in {name for name, _ in named}:
             raise ValueError("weight update lacks 'lm_head.weight': the model's output layer is untied, and vLLM "
                              "would silently keep the old one")
@@ -128,6 +183,32 @@ class VLLMEngine:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp)})
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+        self.reset_cache()
+        self.version = version
+
+    def _load_adapter(self, plain: list, factors: dict, version: int) -> None:
+        """Serve a push of adapter factors as the engine's one LoRA adapter (module docstring)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise ValueError("an adapter push (learner.lora.push=adapters) to a vLLM engine built without "
+                             "lora_rank: it serves adapters only when built for them")
+        if plain:
+            raise ValueError(f"an adapter push with full tensors beside it ({[n for n, _ in plain][:3]}): vLLM "
+                             f"serves adapters over fixed base weights; set learner.lora.push=merged")
+        directory = self._lora_root / f"v{version}-{self._lora_ids + 1}"
+        try:
+            rank = peft_adapter_dir(factors, directory)
+            if rank > self.lora_rank:
+                raise ValueError(f"adapter push of rank {rank}: this engine was built for rank ≤ {self.lora_rank}")
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self._lora_ids += 1
+        self._lora_request = LoRARequest(f"k3rl-v{version}", self._lora_ids, str(directory))
+        old, self._lora_dir = self._lora_dir, directory
+        if old is not None:  # vLLM holds one adapter (max_loras=1): the old one is loaded from no more
+            shutil.rmtree(old, ignore_errors=True)
         self.reset_cache()
         self.version = version
 

@@ -48,6 +48,9 @@ class WorkerSpec:
     """How a paused episode continues under new weights (rl/config/sections.py `rollout.partial_resume`)."""
     trust_remote_code: bool = False
     """Whether the model directory's own Python code may run (`run.trust_remote_code`, model/formats/trust.py)."""
+    adapter_rank: int = 0
+    """The rank of the LoRA adapters the learner pushes (`learner.lora.push: adapters`), 0 when it pushes weights:
+    the vLLM engine is then built to serve them as LoRA adapters (rollout/vllm_engine.py)."""
 
 
 @dataclass
@@ -64,7 +67,7 @@ class PartialCollection:
 # directory's own code may run, from `run.trust_remote_code`, and for the native engine whether a stale session
 # state continues, from `rollout.partial_resume`).
 _SET_BY_JOB = {"model", "model_dir", "tokenizer", "max_model_len", "seed", "device", "resume_stale",
-               "trust_remote_code"}
+               "trust_remote_code", "lora_rank"}
 
 
 def check_partial_resume(partial_resume: str, engine: str, engine_args: dict[str, Any], model_dir: str) -> None:
@@ -132,7 +135,7 @@ def build_engine(spec: WorkerSpec):
         from k3rl.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(spec.model_dir, max_model_len=spec.max_context_tokens, seed=spec.seed,
-                          trust_remote_code=spec.trust_remote_code, **spec.engine_kwargs)
+                          trust_remote_code=spec.trust_remote_code, lora_rank=spec.adapter_rank, **spec.engine_kwargs)
     raise ValueError(f"unknown rollout engine {spec.engine!r}; choose 'torch' or 'vllm'")
 
 

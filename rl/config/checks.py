@@ -115,10 +115,6 @@ def check_device(cfg: Any) -> None:
 
 def check_train(cfg: Any) -> None:
     """The trainer's schedule, workers and devices (rl/orchestrator/preflight.py checks the model and environment)."""
-    lora = cfg.learner.lora
-    if lora.rank and lora.push == "adapters" and str(cfg.rollout.engine) == "vllm":
-        raise ConfigError("learner.lora.push: `adapters` needs the native engine (rollout.engine=torch); the vLLM "
-                          "engine takes merged weights: set learner.lora.push=merged")
     _at_least(cfg, ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.keep_checkpoints"), 1)
     _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds",
                     "eval.grid_every"), 0)

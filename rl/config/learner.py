@@ -24,8 +24,9 @@ class LoraSettings:
     """Dropout on an adapted linear layer's input, on the adapter's path only."""
     push: str = "adapters"
     """What the rollout engines receive after a step: `adapters`, each adapted tensor's low-rank factors (the native
-    engine adds them to its own copy of the base, rollout/weight_transfer.py), or `merged`, every tensor with the
-    adapters merged (what the vLLM engine takes)."""
+    engine adds them to its own copy of the base, rollout/weight_transfer.py; vLLM serves them as a LoRA adapter
+    for HF models, rollout/vllm_engine.py), or `merged`, every tensor with the adapters merged (what vLLM's K3
+    module takes)."""
     targets: Optional[list[str]] = None
     """Leaf names of the linear layers to adapt (`q_proj`, `gate_proj`, …) and, on K3, `w1`/`w2`/`w3` for the
     stacked routed experts; null: rl/train/lora.py's defaults (K3: attention, MLPs and experts, not the routers;

@@ -49,6 +49,15 @@ def check_job(cfg: Any) -> list[Path]:
                              dict(cfg.rollout.engine_args), str(rl.model_path))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    lora = cfg.learner.lora
+    if lora.rank and lora.push == "adapters" and str(cfg.rollout.engine) == "vllm":
+        import json
+
+        from k3rl.rollout.vllm_engine import k3_layout
+
+        if k3_layout(json.loads((model_dir / "config.json").read_text())) is not None:
+            raise ConfigError("learner.lora.push: `adapters` reach vLLM as LoRA adapters for HF models only; vLLM's "
+                              "K3 module takes merged weights: set learner.lora.push=merged (or rollout.engine=torch)")
     try:
         check_engine_args(str(cfg.rollout.engine), dict(cfg.rollout.engine_args))
     except ValueError as e:

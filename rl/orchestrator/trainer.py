@@ -183,7 +183,8 @@ class Trainer:
             sampling=SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_new_tokens),
             max_context_tokens=ro.max_context_tokens, budget=with_budget(env.budget, max_turns=ro.max_turns),
             seed=cfg.run.seed, device=cfg.run.device, partial_resume=str(ro.partial_resume),
-            trust_remote_code=bool(cfg.run.trust_remote_code))
+            trust_remote_code=bool(cfg.run.trust_remote_code),
+            adapter_rank=int(cfg.learner.lora.rank) if cfg.learner.lora.push == "adapters" else 0)
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=1.0,
                                             max_tokens=ro.max_new_tokens, seed=cfg.run.seed)
 

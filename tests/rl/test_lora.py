@@ -248,11 +248,30 @@ def test_an_adapter_push_gives_the_native_engine_the_merged_weights(k3_dir, k3_b
     assert [n for n, _ in merged_push] == [n for n, _ in full]
 
 
-def test_adapter_pushes_need_the_native_engine():
-    from k3rl.rl.config import ConfigError, load_config
-    from k3rl.rl.config.checks import check_train
+@pytest.mark.vllm
+def test_vllm_serves_the_pushed_adapters_as_a_lora_adapter(tiny_qwen3_dir, vllm_cpu):
+    """`learner.lora.push: adapters` to the vLLM engine (rollout/vllm_engine.py): each push becomes a vLLM LoRA
+    adapter over the unchanged base, and vLLM's behaviour log-probs are the LoRA learner's, push after push; a
+    push vLLM cannot serve is refused by name and the engine keeps the adapter it had."""
+    from k3rl.rollout.vllm_engine import VLLMEngine
 
-    cfg = load_config(str(Path(__file__).parents[2] / "configs/rl/quickstart.yaml"),
-                      ["learner.lora.rank=8", "rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match="learner.lora.push=merged"):
-        check_train(cfg)
+    learner = Learner(LearnerConfig(model_path=str(tiny_qwen3_dir), lr=5e-2, micro_batch_tokens=64,
+                                    lora=LoraSettings(rank=4, alpha=8.0)))
+    engine = VLLMEngine(tiny_qwen3_dir, max_model_len=256, seed=0, lora_rank=4)
+    for step in range(2):
+        learner.train_step(sample(engine, PROMPTS, group_size=2, max_tokens=6, seed=step))
+        push = learner.push_weights()
+        engine.load_weights(push, version=learner.version)
+        fresh = sample(engine, PROMPTS, group_size=2, max_tokens=6, seed=10 + step)
+        for t, lp in zip(fresh, learner.score(fresh)):
+            np.testing.assert_allclose(lp, behaviour(t), atol=2e-4)
+    assert nbytes(push) < 0.2 * nbytes(learner.named_weights())
+    before = sample(engine, PROMPTS[:1], group_size=1, max_tokens=6, seed=3)
+    with pytest.raises(ValueError, match="built for rank ≤ 4"):
+        wide = [(n, torch.cat([t, t], dim=-1 if n.endswith("@lora_P") else 0)) for n, t in push]
+        engine.load_weights(wide, version=99)
+    with pytest.raises(ValueError, match="learner.lora.push=merged"):
+        engine.load_weights(push + [("lm_head.weight", torch.zeros(1))], version=99)
+    assert engine.version == learner.version
+    after = sample(engine, PROMPTS[:1], group_size=1, max_tokens=6, seed=3)
+    assert behaviour(after[0]).tolist() == behaviour(before[0]).tolist()

@@ -242,6 +242,18 @@ def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files
     assert not (tmp_path / "runs").exists()
 
 
+def test_adapter_pushes_to_vllm_need_an_hf_model(k3_dir, task_files, tmp_path):
+    """vLLM serves pushed adapters for HF models only (rollout/vllm_engine.py): a K3 policy with
+    `learner.lora.push: adapters` on the vLLM engine is refused before anything starts, naming the way out."""
+    from k3rl.rl.config import ConfigError, JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
+
+    items = overrides(tmp_path, k3_dir, task_files, "k3-lora") + ["rollout.engine=vllm", "learner.lora.rank=4"]
+    with pytest.raises(ConfigError, match="vLLM's K3 module takes merged weights: set learner.lora.push=merged"):
+        Trainer(load_config(None, items, schema=JobConfig))
+    assert not (tmp_path / "runs").exists()
+
+
 def test_bad_task_files_are_named_by_file_and_line(tiny_qwen3_dir, task_files, tmp_path):
     from k3rl.rl.config import ConfigError, JobConfig, load_config
     from k3rl.rl.orchestrator.trainer import Trainer
@@ -571,6 +583,23 @@ def test_short_run_with_vllm_engine(ray_cluster, tiny_qwen3_dir, task_files, tmp
     assert [r["step"] for r in rows] == [1, 2] and seen == [[1], [2]]
     assert rows[0]["train/mismatch_kl"] < 1e-3
     assert all(r["episode/tokens"] > 0 for r in rows)
+
+
+@pytest.mark.vllm
+def test_lora_run_serves_the_adapters_through_vllm(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
+    """`learner.lora.push: adapters` with the vLLM engine through Ray: the workers build vLLM to serve LoRA adapters
+    and take every step's push as one (rollout/vllm_engine.py; a worker built without `lora_rank` refuses the push).
+    The tiny model earns no reward here, so its adapters stay at their zero start; tests/rl/test_lora.py checks
+    vLLM's log-probs against a learner with trained adapters."""
+    from k3rl.rl.config import JobConfig, load_config
+    from k3rl.rl.orchestrator.trainer import Trainer
+
+    items = overrides(tmp_path, tiny_qwen3_dir, task_files, "vllm-lora", engine="vllm", eval_every=0, steps=3,
+                      lr=5e-2) + ["learner.lora.rank=4", "learner.lora.alpha=8"]
+    rows = [r for r in read_metrics(Trainer(load_config(None, items, schema=JobConfig)).train()) if r["step"] > 0]
+    assert [r["policy/version"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert abs(r["train/mismatch_kl"]) < 1e-3, r["train/mismatch_kl"]
 
 
 def kill_after_a_checkpoint(config: Path, run_dir: Path, log_path: Path) -> tuple[Path, dict]:

@@ -6,7 +6,6 @@ log-probs; a checkpoint holds the merged model (read as a plain one) and PEFT's 
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np

@@ -488,12 +488,18 @@ def child_env() -> dict:
 
 
 @pytest.mark.ray
-def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3_dir, task_files, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3_dir, task_files, tmp_path, lora):
+    """kill -9 of the driver mid-run, then `rl.resume=true`: no step redone or skipped, every collected trajectory
+    trained once; with `learner.lora` every checkpoint holds its PEFT adapters and the resumed learner trains
+    adapters only, as before the kill."""
     from k3rl.rl import checkpoint as ckpt
 
     address = ray_cluster.get_runtime_context().gcs_address
     items = overrides(tmp_path, tiny_qwen3_dir, task_files, "killed", mode="async", max_staleness=1, steps=6,
                       save_every=2, eval_every=3, max_new_tokens=96) + [f"ray.address={address}"]
+    if lora:
+        items += ["learner.lora.rank=4", "learner.lora.alpha=8"]
     config = write_config(tmp_path / "job.yaml", items)
     run_dir = tmp_path / "runs" / "killed"
     root = run_dir / "checkpoints"
@@ -524,6 +530,11 @@ def test_driver_killed_with_sigkill_resumes_without_loss(ray_cluster, tiny_qwen3
     assert len(groups) == len(set(groups)) == 12
     assert trained_tasks(rows[1:5]) == Counter({f"t{i}": 2 for i in range(8)})
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [2, 4, 6]
+    if lora:
+        for _, path in ckpt.list_checkpoints(root):
+            assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in (path / "adapter").iterdir()}
+        assert len({r["train/trainable_params"] for r in rows[1:]}) == 1
+        assert rows[-1]["train/optimizer_state_mib"] == rows[1]["train/optimizer_state_mib"]
 
 
 @pytest.mark.ray

@@ -9,7 +9,8 @@ A config names an environment in one of three ways (``resolve`` turns each into 
 * a name an installed package declares in the ``k3rl.envs`` entry-point group
   (``[project.entry-points."k3rl.envs"] guess = "my_pkg.envs:Guess"``): it is on every node
   where the package is installed.
-* ``module.path:ClassName``: a class (or factory) in the user's own module. The module is
+* ``module.path:ClassName``: a class (or factory) in the user's own module — or an agent function
+  ``run(client, task)`` written against the OpenAI API, which envs/agent.py wraps. The module is
   imported as Python would, and also from the current directory (as ``python -m`` does), so
   ``env.name=guess_env:Guess`` works beside ``guess_env.py``. ``user_module_path`` tells the
   driver which file or package to ship to Ray workers (rl/orchestrator/cluster.py) so that they import it too.
@@ -17,6 +18,7 @@ A config names an environment in one of three ways (``resolve`` turns each into 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -116,6 +118,10 @@ def resolve(name: str) -> Entry:
         if target is None:
             raise UnknownEnvironment(f"environment {name!r}: module {module!r} ({getattr(mod, '__file__', '?')}) "
                                      f"has no attribute {attr!r}")
+        from k3rl.envs.agent import AgentEnv, is_agent_function
+
+        if is_agent_function(target):  # an agent of the user's own, run(client, task) (envs/agent.py)
+            return Entry(name, functools.partial(AgentEnv, target), _summary(target))
         if not (isinstance(target, type) and issubclass(target, Env)) and (isinstance(target, type)
                                                                            or not callable(target)):
             raise UnknownEnvironment(f"environment {name!r}: {attr!r} is a {type(target).__name__}, not an Env "

@@ -35,12 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from k3rl.envs.base import Budget, Env, Episode
 from k3rl.envs.tools import STOP_SEQUENCES
 from k3rl.rollout.chat import ChatRenderer
-from k3rl.rollout.engine import Engine, SamplingParams, SessionEngine
+from k3rl.rollout.engine import Engine, SamplingParams, SessionEngine, sample_contexts
 from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 
 
@@ -163,34 +161,12 @@ class AgentLoop:
         outs = {}
         t0 = time.perf_counter()
         for room, idx in by_room.items():
-            # Episodes whose contexts are identical (a task's group, in its first turn) are asked as
-            # one prompt with n samples, so the engine prefills that prompt once. Contexts are compared as
-            # arrays, and only those of equal length.
-            same: list[tuple[np.ndarray, list[int]]] = []
-            by_len: dict[int, list[int]] = {}
-            for i in idx:
-                context = active[i].builder.token_array()
-                groups = by_len.setdefault(len(context), [])
-                match = next((g for g in groups if np.array_equal(same[g][0], context)), None)
-                if match is None:
-                    groups.append(len(same))
-                    same.append((context, [i]))
-                else:
-                    same[match][1].append(i)
-            by_n: dict[int, list[tuple[np.ndarray, list[int]]]] = {}
-            for prompt, members in same:
-                by_n.setdefault(len(members), []).append((prompt, members))
-            for n, prompts in by_n.items():
-                params = SamplingParams(n=n, temperature=self.params.temperature, top_p=self.params.top_p,
-                                        max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
-                                        stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
-                if self._sessions:
-                    results = self.engine.generate([p for p, _ in prompts], params,
-                                                   sessions=[[active[i].session for i in m] for _, m in prompts])
-                else:
-                    results = self.engine.generate([p.tolist() for p, _ in prompts], params)
-                for (_, members), samples in zip(prompts, results):
-                    outs.update((i, [c]) for i, c in zip(members, samples))
+            params = SamplingParams(n=1, temperature=self.params.temperature, top_p=self.params.top_p,
+                                    max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
+                                    stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
+            completions = sample_contexts(self.engine, [active[i].builder.token_array() for i in idx], params,
+                                          [active[i].session for i in idx] if self._sessions else None)
+            outs.update((i, [c]) for i, c in zip(idx, completions))
         self.stats.generate_seconds += time.perf_counter() - t0
         self.stats.rounds += 1
         self.stats.per_round_batch.append(len(active))

@@ -116,17 +116,35 @@ class ChatRenderer:
     def observation_tokens(self, observation: str, turn_ended_with_eos: bool) -> list[int]:
         """Tokens that follow a sampled assistant turn: its closing, one tool message, the next
         generation prompt."""
-        observation = self.sanitize(observation, tool_result=True)
-        content = observation if self._template_wraps else f"{self._wrap[0]}\n{observation}\n{self._wrap[1]}"
-        return self._after_turn({"role": self.tool_role, "content": content}, turn_ended_with_eos)
+        return self.continuation_tokens([{"role": self.tool_role, "content": observation}], turn_ended_with_eos)
 
     def user_tokens(self, text: str, turn_ended_with_eos: bool) -> list[int]:
         """Like `observation_tokens`, for a plain user message (e.g. a nudge after a turn with no call)."""
-        return self._after_turn({"role": "user", "content": self.sanitize(text)}, turn_ended_with_eos)
+        return self.continuation_tokens([{"role": "user", "content": text}], turn_ended_with_eos)
 
-    def _after_turn(self, message: dict, turn_ended_with_eos: bool) -> list[int]:
+    def _tool_message(self, message: dict) -> dict:
+        """A tool message as the model reads it: untrusted text sanitized as a tool result, wrapped in
+        <tool_response> unless the template wraps it itself."""
+        text = self.sanitize(message["content"], tool_result=True)
+        content = text if self._template_wraps else f"{self._wrap[0]}\n{text}\n{self._wrap[1]}"
+        return {"role": self.tool_role, "content": content}
+
+    def _prepared(self, message: dict) -> dict:
+        return self._tool_message(message) if message["role"] in ("tool", self.tool_role) else self._clean(message)
+
+    def conversation_tokens(self, messages: list[dict]) -> list[int]:
+        """Tokens of a whole conversation (system, user, assistant turns as text, tool results) followed by the
+        assistant generation prompt: what an OpenAI-style client's history renders to (rollout/chat_api.py).
+        Assistant turns are rendered from their text here, so their tokens need not be the ones once sampled."""
+        if not messages:
+            raise ValueError("a prompt needs at least one message")
+        return self.encode(self._template([self._prepared(m) for m in messages], True))
+
+    def continuation_tokens(self, messages: list[dict], turn_ended_with_eos: bool) -> list[int]:
+        """Tokens that follow a sampled assistant turn: its closing, `messages` (tool results and user
+        messages, rendered as `conversation_tokens` renders them), the next generation prompt."""
         text = self._template([{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL},
-                               message], True)
+                               *(self._prepared(m) for m in messages)], True)
         delta = text[text.index(_SENTINEL) + len(_SENTINEL):]
         eos = self.tokenizer.eos_token
         if turn_ended_with_eos and eos and delta.startswith(eos):

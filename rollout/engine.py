@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -94,3 +94,38 @@ class SessionEngine(Engine, Protocol):
 
     def end_sessions(self, ids: Iterable[Hashable]) -> None:
         """Drop the kept states of sessions `ids` (their episodes ended)."""
+
+
+def sample_contexts(engine: Engine, contexts: Sequence[Any], params: SamplingParams,
+                    sessions: Sequence[Hashable] | None = None) -> list[Completion]:
+    """One completion per context (1-D int arrays) in as few `generate` calls as the engine needs: identical
+    contexts (a task's group, in its first turn) are asked as one prompt with n samples, so the engine prefills
+    that prompt once; contexts are compared as arrays, and only those of equal length. `sessions`: one per context
+    for an engine that keeps states (`SessionEngine`), which then prefills only what each session added."""
+    import numpy as np
+
+    same: list[tuple[Any, list[int]]] = []
+    by_len: dict[int, list[int]] = {}
+    for i, context in enumerate(contexts):
+        groups = by_len.setdefault(len(context), [])
+        match = next((g for g in groups if np.array_equal(same[g][0], context)), None)
+        if match is None:
+            groups.append(len(same))
+            same.append((context, [i]))
+        else:
+            same[match][1].append(i)
+    by_n: dict[int, list[tuple[Any, list[int]]]] = {}
+    for prompt, members in same:
+        by_n.setdefault(len(members), []).append((prompt, members))
+    out: list[Completion | None] = [None] * len(contexts)
+    for n, prompts in by_n.items():
+        p = SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                           stop=params.stop, stop_token_ids=params.stop_token_ids, seed=params.seed)
+        if sessions is not None:
+            results = engine.generate([c for c, _ in prompts], p, sessions=[[sessions[i] for i in m] for _, m in prompts])
+        else:
+            results = engine.generate([np.asarray(c).tolist() for c, _ in prompts], p)
+        for (_, members), samples in zip(prompts, results):
+            for i, completion in zip(members, samples):
+                out[i] = completion
+    return out

@@ -51,6 +51,10 @@ class Trajectory:
     """Trajectories sampled for the same task share a group (group-relative advantages)."""
     finish_reason: str = ""
     """`done` (the environment ended the episode) or `truncated:<budget>`."""
+    episode_id: str = ""
+    """The episode this sequence belongs to when an episode has several (an agent that edits or summarises its
+    history, rollout/agent_endpoint.py): its sequences share the id and the reward, and count as one sample of
+    their group (rl/train/learner.py `compute_advantages`). "": the trajectory is its episode."""
     routed_experts: np.ndarray | None = None
     """[N, moe_layers, top_k] int16 expert ids chosen for each token (routing replay), or None."""
     position_ids: np.ndarray | None = None
@@ -87,7 +91,7 @@ class Trajectory:
             "versions": self.versions, "turn_spans": self.turn_spans.reshape(-1), "prompt_len": self.prompt_len,
             "reward": float(self.reward), "rewards": json.dumps(self.rewards), "metrics": json.dumps(self.metrics),
             "info": json.dumps(self.info), "env": self.env, "task_id": self.task_id, "group_id": self.group_id,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason, "episode_id": self.episode_id,
             "routed_experts": None if self.routed_experts is None else self.routed_experts.reshape(-1),
             "routed_shape": None if self.routed_experts is None else list(self.routed_experts.shape[1:]),
         }
@@ -104,7 +108,7 @@ class Trajectory:
             turn_spans=np.asarray(row["turn_spans"], dtype=np.int32).reshape(-1, 2), prompt_len=int(row["prompt_len"]),
             reward=float(row["reward"]), rewards=json.loads(row["rewards"]), metrics=json.loads(row["metrics"]),
             info=json.loads(row["info"]), env=row["env"], task_id=row["task_id"], group_id=row["group_id"],
-            finish_reason=row["finish_reason"], routed_experts=routed,
+            finish_reason=row["finish_reason"], episode_id=row.get("episode_id") or "", routed_experts=routed,
         )
 
 
@@ -178,7 +182,8 @@ _COLUMNS = {"tokens": ("int32", True), "loss_mask": ("uint8", True), "logprobs":
             "versions": ("int32", True), "turn_spans": ("int32", True), "prompt_len": ("int64", False),
             "reward": ("float64", False), "rewards": ("string", False), "metrics": ("string", False),
             "info": ("string", False), "env": ("string", False), "task_id": ("string", False),
-            "group_id": ("string", False), "finish_reason": ("string", False), "routed_experts": ("int16", True),
+            "group_id": ("string", False), "finish_reason": ("string", False), "episode_id": ("string", False),
+            "routed_experts": ("int16", True),
             "routed_shape": ("int64", True)}
 """Parquet columns of `Trajectory.to_row` in `datasets`' order: element type, and whether a list (flattened array)."""
 _ROW_GROUP_VALUES = 2**23

@@ -144,6 +144,8 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec):
         import k3rl.envs as envs
+        from k3rl.envs.agent import builds_agent
+        from k3rl.envs.registry import resolve
         from k3rl.rollout.agent_loop import AgentLoop
 
         check_partial_resume(spec.partial_resume, spec.engine, spec.engine_kwargs, spec.model_dir)
@@ -153,9 +155,15 @@ class RolloutWorker:
         if self.keep_state and not self.engine.keeps_state:
             raise ValueError("rollout.partial_resume=keep_state: this engine keeps no session states")
         tokenizer = self.engine.tokenizer  # environments that count tokens count the policy's
-        self.loop = AgentLoop(self.engine, tokenizer, lambda: envs.make(spec.env, tokenizer=tokenizer, **spec.env_kwargs),
-                              spec.sampling, budget=spec.budget, max_context_tokens=spec.max_context_tokens,
-                              env_name=spec.env)
+        if builds_agent(resolve(spec.env).target):  # an agent of the user's own, through this worker's endpoint
+            from k3rl.rollout.agent_runner import AgentRunner
+
+            self.loop = AgentRunner(self.engine, tokenizer, envs.make(spec.env, **spec.env_kwargs), spec.sampling,
+                                    max_context_tokens=spec.max_context_tokens, env_name=spec.env)
+        else:
+            self.loop = AgentLoop(self.engine, tokenizer,
+                                  lambda: envs.make(spec.env, tokenizer=tokenizer, **spec.env_kwargs), spec.sampling,
+                                  budget=spec.budget, max_context_tokens=spec.max_context_tokens, env_name=spec.env)
         self.started = time.time()
         self.episodes = 0
         self._broadcast = None  # rollout/weight_broadcast.py BroadcastGroup once `broadcast_join` ran
@@ -183,8 +191,12 @@ class RolloutWorker:
                         max_rounds: int = 1) -> PartialCollection:
         """Start `tasks` (as `collect`) and continue every episode paused by earlier calls, for at most
         `max_rounds` turns each; hand back the groups that ended and keep the others (see module docstring)."""
-        from k3rl.rollout.agent_loop import EpisodeRequest, PausedEpisode
+        from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest, PausedEpisode
         from k3rl.rollout.trajectory import Trajectory
+
+        if not isinstance(self.loop, AgentLoop):
+            raise ValueError("partial rollouts (rollout.partial_rounds > 0) pause k3rl's own agent loop between "
+                             "turns; an agent function's episodes run whole (set rollout.partial_rounds=0)")
 
         requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
                     for task_id, task in tasks for j in range(n_per_task)]

@@ -63,10 +63,15 @@ def check_job(cfg: Any) -> list[Path]:
     except ValueError as e:
         raise ConfigError(f"rollout.engine_args: {e}") from None
     try:
-        resolve(cfg.env.name)
+        entry = resolve(cfg.env.name)
         env_modules = [p for p in [user_module_path(cfg.env.name)] if p is not None]
     except UnknownEnvironment as e:
         raise ConfigError(f"env.name: {e}") from None
+    from k3rl.envs.agent import builds_agent
+
+    if builds_agent(entry.target) and cfg.rollout.partial_rounds > 0:
+        raise ConfigError("rollout.partial_rounds: an agent function's episodes run whole (envs/agent.py); set "
+                          "rollout.partial_rounds=0")
     from k3rl.rl.checkpoint import check_model_path
 
     # last of the checks (it reads every weight once): here, not as a traceback from a Ray actor

@@ -161,9 +161,9 @@ class AgentEndpoint:
                                          type="server_error").body()
 
     def _episode(self, authorization: str | None) -> EpisodeCalls:
-        key = (authorization or "").removeprefix("Bearer ").strip()
+        scheme, _, key = (authorization or "").partition(" ")
         with self._lock:
-            episode = self._episodes.get(key)
+            episode = self._episodes.get(key.strip()) if scheme == "Bearer" else None
         if episode is None:
             raise ChatRequestError("unknown API key: each episode calls with the key it was given (the episode may "
                                    "have ended)", status=401, type="authentication_error", code="invalid_api_key")

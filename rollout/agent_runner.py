@@ -28,6 +28,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import openai
+
 from k3rl.envs.agent import AgentEnv
 from k3rl.envs.tools import STOP_SEQUENCES
 from k3rl.rollout.agent_endpoint import AgentEndpoint, EpisodeCalls, PendingCall
@@ -54,8 +56,6 @@ class AgentRun:
 
 def call_agent(run: Any, base_url: str, key: str, task: Any, timeout_s: float, out: dict[str, Any]) -> None:
     """Run the agent function with a client for its episode; what it returns or raises goes into `out`."""
-    import openai
-
     try:
         if inspect.iscoroutinefunction(run):
             async def main():

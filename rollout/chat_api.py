@@ -96,11 +96,14 @@ def normalise_message(message: Any, index: int) -> dict[str, Any]:
     role = message.get("role")
     if role not in ROLES:
         raise ChatRequestError(f"{where}.role: one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+    if message.get("content") is None and not (role == "assistant" and message.get("tool_calls")):
+        raise ChatRequestError(f"{where}.content: required (null only for an assistant message with tool_calls)",
+                               f"{where}.content")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role,
                            "content": _text(message.get("content"), where)}
     if role == "assistant":
         out["tool_calls"] = _tool_calls(message.get("tool_calls"), where)
-    elif message.get("tool_calls"):
+    elif message.get("tool_calls") is not None:
         raise ChatRequestError(f"{where}: only assistant messages carry tool_calls", f"{where}.tool_calls")
     if role == "tool":
         if not isinstance(message.get("tool_call_id"), str):

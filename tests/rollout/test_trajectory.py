@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import torch
 
 from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder, load_trajectories, save_trajectories
 
@@ -34,14 +35,15 @@ def test_builder_masks_versions_spans():
 
 def test_parquet_round_trip(tmp_path):
     trajs = [build(routed=True), build()]
+    trajs[1].episode_id = "g0#3"  # a sequence of a multi-sequence episode (rollout/agent_endpoint.py)
     path = save_trajectories(trajs, tmp_path / "a" / "t.parquet")
     back = load_trajectories(path)
     assert len(back) == 2
     for a, b in zip(trajs, back):
         for name in ("tokens", "loss_mask", "logprobs", "versions", "turn_spans"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
-        assert (a.reward, a.rewards, a.metrics, a.info, a.group_id, a.finish_reason) == \
-               (b.reward, b.rewards, b.metrics, b.info, b.group_id, b.finish_reason)
+        assert (a.reward, a.rewards, a.metrics, a.info, a.group_id, a.finish_reason, a.episode_id) == \
+               (b.reward, b.rewards, b.metrics, b.info, b.group_id, b.finish_reason, b.episode_id)
     np.testing.assert_array_equal(back[0].routed_experts[3:5], [[[1, 2]], [[3, 4]]])
     assert (back[0].routed_experts[:3] == -1).all() and back[1].routed_experts is None
 
@@ -188,3 +190,25 @@ def test_inconsistent_lengths_are_named():
         TrajectoryBuilder([1]).append_sampled([1, 2], [0.0], 0)
     with pytest.raises(FileNotFoundError, match="nope.parquet"):
         load_trajectories("nope.parquet")
+
+
+def test_an_episodes_sequences_count_once_in_their_group():
+    """rl/train/learner.py `compute_advantages`: the sequences of one episode (shared `episode_id`) are one sample
+    of their group, with the episode's reward, and each gets that episode's advantage; the rest is GRPO's."""
+    from k3rl.rl.algos import get_algo
+    from k3rl.rl.train.learner import compute_advantages
+
+    def seq(group, episode, reward):
+        t = build()
+        t.group_id, t.episode_id, t.reward = group, episode, reward
+        return t
+
+    # group g: episode a (3 sequences, reward 1), b (1 sequence, 0), c (plain trajectory, 0); group h alone
+    batch = [seq("g", "a", 1.0), seq("g", "b", 0.0), seq("g", "a", 1.0), seq("g", "", 0.0), seq("g", "a", 1.0),
+             seq("h", "", 1.0)]
+    algo = get_algo("grpo")
+    got = compute_advantages(algo, batch)
+    want = algo.advantages(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)).float().numpy()  # a, b, c
+    np.testing.assert_allclose(got, [want[0], want[1], want[0], want[2], want[0], 0.0], atol=1e-6)
+    with pytest.raises(ValueError, match="episode 'a' of group 'g': its sequences carry different rewards"):
+        compute_advantages(algo, batch[:2] + [seq("g", "a", 0.5)])

@@ -45,7 +45,7 @@ MAX_BODY_BYTES = 16 << 20
 
 
 @dataclass
-class Sequence:
+class CallSequence:
     """One token sequence of an episode: what its calls extended, and how its last call ended."""
 
     builder: TrajectoryBuilder
@@ -74,7 +74,7 @@ class EpisodeCalls:
     key: str
     episode_id: str
     deadline: float
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[CallSequence] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
     closed: str | None = None
     """Why the episode takes no more calls (ended, timed out), or None."""
@@ -201,7 +201,7 @@ class AgentEndpoint:
                                                         f"deadline", status=408, code="timeout")
             c = pending.completion
             if index is None:
-                seq = Sequence(TrajectoryBuilder(prompt.tolist()), [], session=session)
+                seq = CallSequence(TrajectoryBuilder(prompt.tolist()), [], session=session)
                 episode.sequences.append(seq)
                 index = len(episode.sequences) - 1
             else:
@@ -271,4 +271,4 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-__all__ = ["AgentEndpoint", "CallRecord", "EpisodeCalls", "MODEL_NAME", "PendingCall", "Sequence"]
+__all__ = ["AgentEndpoint", "CallRecord", "EpisodeCalls", "MODEL_NAME", "PendingCall", "CallSequence"]

@@ -112,6 +112,17 @@ class Trajectory:
         )
 
 
+def episodes(trajectories: list[Any]) -> list[Any]:
+    """One trajectory per episode, in order of first appearance: a multi-sequence episode (shared `episode_id`
+    within its group) is stood for by its last sequence, which carries the episode's reward and components like
+    every one of them. Rewards, success rates and group statistics count episodes, not sequences."""
+    last: dict[Any, Any] = {}
+    for i, t in enumerate(trajectories):
+        episode = getattr(t, "episode_id", "")
+        last[(t.group_id, episode) if episode else i] = t
+    return list(last.values())
+
+
 class TrajectoryBuilder:
     """Appends the segments of an episode as they happen; `finish()` makes the Trajectory."""
 

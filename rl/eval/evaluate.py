@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from k3rl.rl.metrics import Z95, wilson_interval
+from k3rl.rollout.trajectory import episodes
 
 
 def success_rule(env: Any, override: Optional[str] = None) -> Optional[str]:
@@ -97,7 +98,9 @@ class Score:
 
 def score(trajectories: Sequence[Any], success_key: Optional[str]) -> Score:
     """Score finished episodes (`rollout.trajectory.Trajectory`, or anything with `reward`, `rewards`
-    and `metrics`) by the rule `success_key` (see `is_success`)."""
+    and `metrics`) by the rule `success_key` (see `is_success`); the sequences of one episode count once
+    (rollout/trajectory.py `episodes`)."""
+    trajectories = episodes(list(trajectories))
     names = sorted({k for t in trajectories for k, v in t.rewards.items() if isinstance(v, (int, float))})
     components = {k: mean_interval([float(t.rewards[k]) for t in trajectories if k in t.rewards]) for k in names}
     return Score(n=len(trajectories), successes=sum(is_success(t, success_key) for t in trajectories),

@@ -2,8 +2,9 @@
 
 `reward/*`, `success/rate` (the environment's success rule, rl/eval/evaluate.py), `rewards/<component>` (the
 batch mean of every numeric reward component the environment reports), `episode/*`, `groups/*`,
-`staleness/mean|max`, `buffer/*`, `workers/restarts`, `policy/version`, `rollout/held_groups` and `train/*`
-(every number the learner reports but its version). The trainer adds `perf/*` and, on evaluation steps, `eval/*`.
+`staleness/mean|max`, `buffer/*`, `batch/sequences` (sequences trained: an episode may hold several; the other
+statistics count episodes), `workers/restarts`, `policy/version`, `rollout/held_groups` and `train/*` (every
+number the learner reports but its version). The trainer adds `perf/*` and, on evaluation steps, `eval/*`.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import numpy as np
 from k3rl.rl.eval.evaluate import is_success
 from k3rl.rl.orchestrator.buffer import Taken, TrajectoryBuffer
 from k3rl.rl.orchestrator.rollout_pool import RolloutPool
+from k3rl.rollout.trajectory import episodes
 
 
 def step_metrics(taken: Taken, learner_version: int, version: int, learner_metrics: dict[str, Any],
                  buffer: TrajectoryBuffer, pool: RolloutPool, success_key: Optional[str]) -> dict[str, float]:
     """The step's scalars; `learner_version` trained the batch (staleness is measured against it), `version`
     is the learner's after the step."""
-    trajs = taken.trajectories
+    trajs = episodes(taken.trajectories)  # rewards and episode statistics per episode (sequences: `batch/sequences`)
     rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-    stale = [learner_version - t.min_version for t in trajs if t.num_sampled > 0]
+    stale = [learner_version - t.min_version for t in taken.trajectories if t.num_sampled > 0]
     zero_var = sum(1 for g in taken.groups if np.ptp([t.reward for t in g.trajectories]) == 0)
     out = {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "batch/sequences": float(len(taken.trajectories)),
         "reward/zero_frac": float((rewards == 0).mean()),
         "success/rate": float(np.mean([is_success(t, success_key) for t in trajs])),
         "episode/tokens": float(np.mean([len(t) for t in trajs])),

@@ -81,10 +81,12 @@ def build_optimizers(model: torch.nn.Module, params: list[torch.Tensor], cfg: An
             decay.append(p)
         else:
             no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    # no AdamW when Muon takes every tensor (LoRA adapters are all matrices)
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-        foreach=foreach)]
+        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=foreach)] if groups \
+        or not (muon2 or muon3) else []
     if muon2 or muon3:
         if not hasattr(torch.optim, "Muon"):
             raise RuntimeError(f"optimizer: muon needs torch.optim.Muon, which torch {torch.__version__} "

@@ -274,3 +274,41 @@ def test_vllm_serves_the_pushed_adapters_as_a_lora_adapter(tiny_qwen3_dir, vllm_
     assert engine.version == learner.version
     after = sample(engine, PROMPTS[:1], group_size=1, max_tokens=6, seed=3)
     assert behaviour(after[0]).tolist() == behaviour(before[0]).tolist()
+
+
+def adapters_of(learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".lora_" in n}
+
+
+@pytest.mark.parametrize("option", [dict(share_prefix=False), dict(segment_tokens=5), dict(routing_replay=False)],
+                         ids=["no-prefix-sharing", "segments", "no-routing-replay"])
+def test_lora_steps_through_segments_prefix_sharing_and_routing_replay(k3_dir, k3_batch, option):
+    """The learner's exact reorganisations of a step (segments, the group's shared prompt computed once, the
+    rollout's routing replayed) give LoRA the same adapter update as the plain step; without routing replay the
+    router may pick other experts, so only the frozen base is checked. AdamW with eps = 1 makes the first update
+    ≈ −lr·gradient (no sign-like amplification of rounding in near-zero gradients)."""
+    steps = {}
+    for name, kw in (("plain", {}), ("option", option)):
+        learner = k3_learner(k3_dir, adam_eps=1.0, lr=1.0, **kw)
+        randomise_adapters(learner.model, seed=1)
+        frozen = {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".lora_" not in n}
+        learner.train_step(k3_batch)
+        assert all(torch.equal(frozen[n], p) for n, p in learner.model.named_parameters() if ".lora_" not in n)
+        steps[name] = adapters_of(learner)
+    if "routing_replay" not in option:
+        for n, p in steps["plain"].items():
+            torch.testing.assert_close(steps["option"][n], p, atol=2e-5, rtol=1e-4, msg=n)
+
+
+def test_lora_with_muon_and_the_supervised_objective(k3_dir, k3_batch):
+    """`optimizer: muon` and SFT's objective (`algo: nll`, what `k3rl sft` and pretraining run through the learner)
+    train the adapters alone: Muon's momentum and AdamW's moments exist for adapter tensors only."""
+    learner = k3_learner(k3_dir, optimizer="muon", algo="nll", lr=1e-3)
+    before = adapters_of(learner)
+    frozen = {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".lora_" not in n}
+    learner.train_step(k3_batch)
+    adapters = {id(p) for n, p in learner.model.named_parameters() if ".lora_" in n}
+    kinds = {type(o).__name__ for o in learner.optimizers}
+    assert "Muon" in kinds and all(id(p) in adapters for o in learner.optimizers for p in o.state)
+    assert all(torch.equal(frozen[n], p) for n, p in learner.model.named_parameters() if ".lora_" not in n)
+    assert any(not torch.equal(before[n], p) for n, p in adapters_of(learner).items())

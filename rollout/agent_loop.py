@@ -23,6 +23,14 @@ per-token Python list); the engine prefills only what the episode added since it
 ends an episode's session when the episode ends; a paused episode keeps it (across a weight update only
 under `keep_state`; otherwise the engine drops it and the next turn is prefilled in full).
 
+Context compaction (`Compaction`, `rollout.compaction_tokens`): when an episode's context reaches the budget at a
+turn boundary, the tool result is followed by a user message asking for a summary of the progress; the model's
+summary turn is sampled (and trained) like any other, and the episode goes on as a new sequence that starts from
+[system, task, summary] (`SUMMARY_HEADER` + the summary's text, in a user message): the environment keeps its
+state, the engine prefills the short new context once (a new session, whose state later turns reuse). A
+compacted episode ends as several trajectories sharing its `episode_id` and reward (`run` hands them back as a
+list); they count as one sample of the group (rl/train/learner.py `compute_advantages`).
+
 The environment sees only text; the engine sees only tokens; the loop is the one place where
 they meet.
 """
@@ -40,6 +48,19 @@ from k3rl.envs.tools import STOP_SEQUENCES
 from k3rl.rollout.chat import ChatRenderer
 from k3rl.rollout.engine import Engine, SamplingParams, SessionEngine, sample_contexts
 from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
+
+SUMMARY_HEADER = "Your progress so far (you summarised it when your context was full):\n"
+
+
+@dataclass
+class Compaction:
+    """Context compaction settings (rl/config/sections.py `rollout.compaction_*`; module docstring)."""
+
+    tokens: int
+    """Context length at a turn boundary that triggers a summary."""
+    prompt: str
+    summary_tokens: int = 256
+    max_compactions: int = 4
 
 
 @dataclass
@@ -71,6 +92,18 @@ class PausedEpisode:
     """The engine session holding this episode's decode state (engines with sessions)."""
     stale_state_tokens: int = 0
     """Context tokens its turns so far read from a decode state older weights computed (`keep_state`)."""
+    opening: list = field(default_factory=list, repr=False)
+    """The opening messages (system, task): where a compacted episode starts again."""
+    sequences: list = field(default_factory=list, repr=False)
+    """Builders of the sequences that compaction ended (the current one is `builder`)."""
+    summarising: bool = False
+    """The next turn is the summary compaction asked for."""
+    summaries: list = field(default_factory=list, repr=False)
+
+
+def episode_trajectories(item: Any) -> list[Trajectory]:
+    """The trajectories of one ended episode as `AgentLoop.run` returns it: one, or a compacted episode's list."""
+    return list(item) if isinstance(item, list) else [item]
 
 
 @dataclass
@@ -86,7 +119,8 @@ class AgentLoop:
     """Runs episodes of one environment class through one engine; see module docstring."""
 
     def __init__(self, engine: Engine, tokenizer, env_factory: Callable[[], Env], params: SamplingParams,
-                 budget: Budget | None = None, max_context_tokens: int = 4096, env_name: str = ""):
+                 budget: Budget | None = None, max_context_tokens: int = 4096, env_name: str = "",
+                 compaction: Compaction | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -95,6 +129,7 @@ class AgentLoop:
         self.budget = budget
         self.max_context_tokens = max_context_tokens
         self.env_name = env_name
+        self.compaction = compaction
         self.stats = LoopStats()
         self._free_envs: list[Env] = []
         """Environments of ended episodes, reused (building one may load an index); a paused episode keeps its own."""
@@ -115,8 +150,8 @@ class AgentLoop:
             resume: Sequence[PausedEpisode] = ()) -> list:
         """Run `requests`, and continue the `resume`d episodes, until they end — or for at most `max_rounds`
         rounds (one turn per episode each) in this call. Returns one item per episode, resumed ones first:
-        its `Trajectory` when it ended, else a `PausedEpisode` to pass back as `resume` later (only with
-        `max_rounds`: without it every item is a trajectory)."""
+        its `Trajectory` when it ended (a list of them, one per sequence, when it was compacted:
+        `episode_trajectories`), else a `PausedEpisode` to pass back as `resume` later (only with `max_rounds`)."""
         if max_rounds is not None and max_rounds < 1:
             raise ValueError(f"max_rounds: must be ≥ 1 or None, got {max_rounds}")
         for p in resume:
@@ -145,7 +180,7 @@ class AgentLoop:
         env = self._free_envs.pop() if self._free_envs else self.env_factory()
         episode = Episode(env, request.task, self.budget, self._count_tokens)
         p = PausedEpisode(request, episode, TrajectoryBuilder(self.renderer.prompt_tokens(episode.messages)),
-                          session=(id(self), next(self._session_ids)))
+                          session=(id(self), next(self._session_ids)), opening=list(episode.messages))
         if p.builder.length >= self.max_context_tokens:
             p.finish = "truncated:context"
         return p
@@ -154,10 +189,13 @@ class AgentLoop:
         """One turn of every active episode: batched generate calls, then each environment's step."""
         # Episodes near the context limit get fewer new tokens: one generate call per distinct room.
         by_room: dict[int, list[int]] = {}
+        context_bound = set()
         for i, p in enumerate(active):
-            room = min(self.params.max_tokens, self.max_context_tokens - p.builder.length)
+            turn = self.compaction.summary_tokens if p.summarising else self.params.max_tokens
+            room = min(turn, self.max_context_tokens - p.builder.length)
             by_room.setdefault(room, []).append(i)
-        context_bound = {i for room, idx in by_room.items() if room < self.params.max_tokens for i in idx}
+            if room < turn:
+                context_bound.add(i)
         outs = {}
         t0 = time.perf_counter()
         for room, idx in by_room.items():
@@ -183,6 +221,9 @@ class AgentLoop:
                 p.finish = "truncated:context"
                 continue
             text, ended_with_eos = self._turn_text(completion.token_ids)
+            if p.summarising:
+                self._compact(p, text)
+                continue
             step = episode.step(text)
             if step.done:
                 # Nothing after the last sampled token can be trained on: the terminal tool's result
@@ -190,6 +231,12 @@ class AgentLoop:
                 p.finish = "truncated:" + episode.finish_reason if episode.truncated else "done"
                 continue
             obs = self.renderer.observation_tokens(step.observation, ended_with_eos)
+            c = self.compaction
+            if c is not None and builder.length + len(obs) >= c.tokens and len(p.sequences) < c.max_compactions:
+                # the tool result, then the request for a summary: the next turn is the summary (module docstring)
+                obs = self.renderer.continuation_tokens([{"role": self.renderer.tool_role, "content": step.observation},
+                                                         {"role": "user", "content": c.prompt}], ended_with_eos)
+                p.summarising = True
             if builder.length + len(obs) + 1 > self.max_context_tokens:
                 p.finish = "truncated:context"
             else:
@@ -198,8 +245,36 @@ class AgentLoop:
             self.engine.end_sessions([p.session for p in active if p.finish is not None])
         self.stats.env_seconds += time.perf_counter() - t0
 
-    def _trajectory(self, p: PausedEpisode) -> Trajectory:
-        request, episode, builder, finish_reason = p.request, p.episode, p.builder, p.finish
+    def _compact(self, p: PausedEpisode, summary: str) -> None:
+        """End the episode's sequence after its summary turn and go on from [system, task, summary]; an episode
+        whose new start would not leave room under the compaction budget ends (`truncated:context`)."""
+        p.summarising = False
+        prompt = self.renderer.prompt_tokens(p.opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+        p.summaries.append(summary)
+        if len(prompt) >= self.compaction.tokens:
+            p.finish = "truncated:context"
+            return
+        p.sequences.append(p.builder)
+        p.builder = TrajectoryBuilder(prompt)
+        if self._sessions:  # the new start is prefilled once, in a session of its own
+            self.engine.end_sessions([p.session])
+            p.session = (id(self), next(self._session_ids))
+
+    def _trajectory(self, p: PausedEpisode) -> Trajectory | list[Trajectory]:
+        if p.sequences:
+            episode_id = f"{p.request.group_id}#{p.request.sample_idx}"
+            out = []
+            for builder in [*p.sequences, p.builder]:
+                t = self._sequence(p, builder)
+                t.episode_id = episode_id
+                t.metrics["compactions"] = float(len(p.sequences))
+                t.info["summaries"] = list(p.summaries)
+                out.append(t)
+            return out
+        return self._sequence(p, p.builder)
+
+    def _sequence(self, p: PausedEpisode, builder: TrajectoryBuilder) -> Trajectory:
+        request, episode, finish_reason = p.request, p.episode, p.finish
         if not episode.done:
             episode.truncate(finish_reason.removeprefix("truncated:"))
         info = episode.info

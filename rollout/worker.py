@@ -48,6 +48,8 @@ class WorkerSpec:
     """How a paused episode continues under new weights (rl/config/sections.py `rollout.partial_resume`)."""
     trust_remote_code: bool = False
     """Whether the model directory's own Python code may run (`run.trust_remote_code`, model/formats/trust.py)."""
+    compaction: Any = None
+    """A `rollout.agent_loop.Compaction` (context compaction in k3rl's own agent loop), or None: off."""
     adapter_rank: int = 0
     """The rank of the LoRA adapters the learner pushes (`learner.lora.push: adapters`), 0 when it pushes weights:
     the vLLM engine is then built to serve them as LoRA adapters (rollout/vllm_engine.py)."""
@@ -163,7 +165,8 @@ class RolloutWorker:
         else:
             self.loop = AgentLoop(self.engine, tokenizer,
                                   lambda: envs.make(spec.env, tokenizer=tokenizer, **spec.env_kwargs), spec.sampling,
-                                  budget=spec.budget, max_context_tokens=spec.max_context_tokens, env_name=spec.env)
+                                  budget=spec.budget, max_context_tokens=spec.max_context_tokens, env_name=spec.env,
+                                  compaction=spec.compaction)
         self.started = time.time()
         self.episodes = 0
         self._broadcast = None  # rollout/weight_broadcast.py BroadcastGroup once `broadcast_join` ran
@@ -174,14 +177,14 @@ class RolloutWorker:
                 sampling: SamplingParams | None = None) -> list:
         """Run `n_per_task` episodes of each (task_id, task); trajectories of a task share a group id.
         `sampling` overrides the worker's sampling for this call (e.g. greedy evaluation)."""
-        from k3rl.rollout.agent_loop import EpisodeRequest
+        from k3rl.rollout.agent_loop import EpisodeRequest, episode_trajectories
 
         requests = [EpisodeRequest(task, task_id, f"{group_prefix}{task_id}", j)
                     for task_id, task in tasks for j in range(n_per_task)]
         default = self.loop.params
         self.loop.params = sampling or default
         try:
-            trajectories = self.loop.run(requests)
+            trajectories = [t for item in self.loop.run(requests) for t in episode_trajectories(item)]
         finally:
             self.loop.params = default
         self.episodes += len(trajectories)
@@ -191,8 +194,7 @@ class RolloutWorker:
                         max_rounds: int = 1) -> PartialCollection:
         """Start `tasks` (as `collect`) and continue every episode paused by earlier calls, for at most
         `max_rounds` turns each; hand back the groups that ended and keep the others (see module docstring)."""
-        from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest, PausedEpisode
-        from k3rl.rollout.trajectory import Trajectory
+        from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest, PausedEpisode, episode_trajectories
 
         if not isinstance(self.loop, AgentLoop):
             raise ValueError("partial rollouts (rollout.partial_rounds > 0) pause k3rl's own agent loop between "
@@ -207,8 +209,10 @@ class RolloutWorker:
         results = self.loop.run(requests, max_rounds=max_rounds, resume=resume)
         for request, result in zip([p.request for p in resume] + requests, results):
             self._held.setdefault(request.group_id, {})[request.sample_idx] = result
-        ended = [g for g, members in self._held.items() if all(isinstance(m, Trajectory) for m in members.values())]
-        trajectories = [t for g in ended for _, t in sorted(self._held.pop(g).items(), key=lambda m: m[0])]
+        ended = [g for g, members in self._held.items()
+                 if not any(isinstance(m, PausedEpisode) for m in members.values())]
+        trajectories = [t for g in ended for _, item in sorted(self._held.pop(g).items(), key=lambda m: m[0])
+                        for t in episode_trajectories(item)]
         self.episodes += len(trajectories)
         return PartialCollection(trajectories, list(self._held))
 

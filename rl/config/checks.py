@@ -116,6 +116,15 @@ def check_device(cfg: Any) -> None:
 def check_train(cfg: Any) -> None:
     """The trainer's schedule, workers and devices (rl/orchestrator/preflight.py checks the model and environment)."""
     _at_least(cfg, ("rl.steps", "rl.tasks_per_step", "rl.group_size", "rollout.num_workers", "rl.keep_checkpoints"), 1)
+    ro = cfg.rollout
+    if ro.compaction_tokens:
+        _at_least(cfg, ("rollout.summary_tokens", "rollout.max_compactions"), 1)
+        need = ro.compaction_tokens + ro.max_new_tokens + ro.summary_tokens
+        if ro.compaction_tokens < 0 or need > ro.max_context_tokens:
+            raise ConfigError(f"rollout.compaction_tokens: {ro.compaction_tokens} + max_new_tokens {ro.max_new_tokens} "
+                              f"+ summary_tokens {ro.summary_tokens} = {need} must fit rollout.max_context_tokens "
+                              f"{ro.max_context_tokens} (the summary is asked for after a turn that may end at the "
+                              f"budget)")
     _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds",
                     "eval.grid_every"), 0)
     _at_least(cfg, ("eval.grid_num_tasks",), 1)

@@ -149,6 +149,18 @@ class RolloutConfig:
     pushed meanwhile, so a long episode spans learner steps without holding them up. Its sampled tokens then carry
     several policy versions; `rl.max_staleness` bounds the oldest (the group is dropped beyond it). 0: off (every
     call runs its episodes to the end)."""
+    compaction_tokens: int = 0
+    """Context compaction (k3rl's own agent loop, rollout/agent_loop.py): when an episode's context reaches this many
+    tokens at a turn boundary, the model is asked to summarise its progress (`compaction_prompt`, at most
+    `summary_tokens` sampled), and the episode continues from [system, task, summary] as a new sequence of the same
+    episode; the summary is trained like any sampled tokens. 0: off (an episode ends at `max_context_tokens`)."""
+    compaction_prompt: str = ("Your context is full. Summarise your progress so far: what you searched, what you "
+                              "found (names, numbers, passage ids) and what is left to do. Write only the summary.")
+    """The user message that asks for the summary."""
+    summary_tokens: int = 256
+    """Longest summary, in sampled tokens."""
+    max_compactions: int = 4
+    """Compactions per episode; an episode that would need more ends as `truncated:context`."""
     partial_resume: PartialResume = PartialResume["reprefill"]
     """How a paused episode continues: `reprefill` (the new weights prefill its whole context again) or
     `keep_state` (continue from the KV/recurrent state the old weights computed, prefilling only the tokens

@@ -40,11 +40,12 @@ class LocalRunner:
         self.budget, self.max_context_tokens, self.env_name = budget, max_context_tokens, env_name
 
     def play(self, tasks: Sequence[tuple[str, Any]]) -> list[Any]:
-        from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
+        from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest, episode_trajectories
 
         loop = AgentLoop(self.engine, self.tokenizer, self.make_env, self.sampling, budget=self.budget,
                          max_context_tokens=self.max_context_tokens, env_name=self.env_name)
-        return loop.run([EpisodeRequest(task, task_id, task_id) for task_id, task in tasks])
+        return [t for item in loop.run([EpisodeRequest(task, task_id, task_id) for task_id, task in tasks])
+                for t in episode_trajectories(item)]
 
 
 def greedy_report(model: Any, tokenizer: Any, env_name: str, tasks: Sequence[Any], env_kwargs: Optional[dict] = None,

@@ -126,6 +126,7 @@ from k3rl.rl.orchestrator.rollout_pool import RolloutPool
 from k3rl.rl.orchestrator.step_metrics import step_metrics
 from k3rl.rl.orchestrator.tasks import job_tasks
 from k3rl.rl.orchestrator.weight_sync import BroadcastSync
+from k3rl.rollout.agent_loop import Compaction
 from k3rl.rollout.worker import WorkerSpec
 
 
@@ -184,7 +185,9 @@ class Trainer:
             max_context_tokens=ro.max_context_tokens, budget=with_budget(env.budget, max_turns=ro.max_turns),
             seed=cfg.run.seed, device=cfg.run.device, partial_resume=str(ro.partial_resume),
             trust_remote_code=bool(cfg.run.trust_remote_code),
-            adapter_rank=int(cfg.learner.lora.rank) if cfg.learner.lora.push == "adapters" else 0)
+            adapter_rank=int(cfg.learner.lora.rank) if cfg.learner.lora.push == "adapters" else 0,
+            compaction=Compaction(ro.compaction_tokens, ro.compaction_prompt, ro.summary_tokens, ro.max_compactions)
+            if ro.compaction_tokens > 0 else None)
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=1.0,
                                             max_tokens=ro.max_new_tokens, seed=cfg.run.seed)
 

@@ -75,12 +75,12 @@ def tokenizer(tiny_qwen3_dir):
     return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
 
 
-def run(tokenizer, tasks, scripts, eos_after=(), **kw):
+def run(tokenizer, tasks, scripts, eos_after=(), prefix_cut=0, **kw):
     engine = ScriptedEngine(tokenizer, scripts, eos_after)
     loop = AgentLoop(engine, tokenizer, Calc, SamplingParams(max_tokens=64), env_name="calc", **kw)
     prompts = [loop.renderer.prompt_tokens([{"role": "system", "content": Calc().system_message()},
                                             {"role": "user", "content": Calc().reset(t)}]) for t in tasks]
-    engine.prefix_len = min(len(p) for p in prompts)
+    engine.prefix_len = min(len(p) for p in prompts) - prefix_cut  # a compacted restart ends otherwise
     engine.index = {tuple(p[:engine.prefix_len]): i for i, p in enumerate(prompts)}
     assert len(engine.index) == len(tasks)
     reqs = [EpisodeRequest(t, f"t{i}", f"g{i}") for i, t in enumerate(tasks)]
@@ -159,3 +159,45 @@ def test_group_first_turn_is_one_prompt_with_n_samples(tiny_qwen3_dir, tokenizer
     assert len(trajs) == 6 and all(t.num_sampled > 0 for t in trajs)
     firsts = [t.tokens[t.turn_spans[0][0]:t.turn_spans[0][1]].tolist() for t in trajs[:3]]
     assert len({tuple(f) for f in firsts}) > 1  # the samples of a group differ
+
+
+def test_compaction_continues_the_episode_from_its_summary(tokenizer):
+    """`Compaction`: past the budget the tool result is followed by the summary request, the summary turn is
+    sampled (loss mask 1) and the episode goes on as a second sequence from [system, task, summary]; both
+    sequences share the episode id and its reward, and the environment kept its state across the cut."""
+    from k3rl.rollout.agent_loop import SUMMARY_HEADER, Compaction, episode_trajectories
+
+    summary = "Added 2 and 3."
+    task = {"a": 2, "b": 3}
+    opening = [{"role": "system", "content": Calc().system_message()}, {"role": "user", "content": Calc().reset(task)}]
+    renderer = AgentLoop(None, tokenizer, Calc, SamplingParams()).renderer
+    restart = renderer.prompt_tokens(opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+    first_turn = len(renderer.prompt_tokens(opening)) + len(tokenizer(CALL, add_special_tokens=False)["input_ids"])
+    assert first_turn + 8 > len(restart) + 1  # the first tool result crosses the budget below
+    compaction = Compaction(tokens=len(restart) + 1, prompt="Summarise <|im_end|> now.", summary_tokens=32)
+    loop, engine, (item,) = run(tokenizer, [task], [[CALL, summary, ANSWER]], compaction=compaction,
+                                 prefix_cut=10)
+    first, second = episode_trajectories(item)
+    assert first.episode_id == second.episode_id == "g0#0" and first.reward == second.reward == 1.0
+    assert first.metrics["compactions"] == second.metrics["compactions"] == 1.0
+    assert second.info["summaries"] == [summary] and second.finish_reason == "done"
+    # the first sequence: the call, its result and the request (context), the summary as sampled
+    (call, summ) = [first.tokens[a:b].tolist() for a, b in first.turn_spans]
+    assert tokenizer.decode(summ) == summary and first.loss_mask[first.turn_spans[1][0]:].all()
+    between = tokenizer.decode(first.tokens[first.turn_spans[0][1]:first.turn_spans[1][0]])
+    assert "Summarise" in between and "<|im_end|> now" not in between  # the request went through the sanitiser
+    # the second sequence starts over from the opening and the summary: what the engine was given for the answer
+    assert second.tokens[:second.prompt_len].tolist() == restart == engine.seen_prompts[-1]
+    assert tokenizer.decode(second.tokens[second.turn_spans[0][0]:second.turn_spans[0][1]]) == ANSWER
+    assert second.metrics["tool_calls"] == 1.0  # the environment's own counters ran on across the cut
+
+
+def test_compaction_stops_when_the_summary_does_not_shorten_the_context(tokenizer):
+    from k3rl.rollout.agent_loop import Compaction, episode_trajectories
+
+    long_summary = "word " * 200
+    compaction = Compaction(tokens=60, prompt="Summarise.", summary_tokens=400)
+    _, _, (item,) = run(tokenizer, [{"a": 2, "b": 3}], [[CALL, long_summary, ANSWER]],
+                          compaction=compaction, prefix_cut=10)
+    (only,) = episode_trajectories(item)
+    assert only.finish_reason == "truncated:context" and only.episode_id == ""

@@ -291,3 +291,32 @@ def test_paused_episode_keeps_its_session(monkeypatch, tokenizer):
     assert engine.stats.resumed_prompts >= 2 and len(engine.sessions) == 0
     for a, b in zip(done, whole):
         assert np.array_equal(a.tokens, b.tokens) and np.allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+
+
+def test_compacted_episodes_start_a_fresh_session(monkeypatch, tokenizer):
+    """Context compaction (rollout/agent_loop.py) on the native K3 engine: after a summary the episode's new start
+    is prefilled once in a session of its own and its later turns reuse that state; the episodes equal those of an
+    engine that prefills every turn in full, and no session outlives its episode."""
+    from k3rl.rollout.agent_loop import Compaction, episode_trajectories
+
+    monkeypatch.setattr(T, "parse", every_text_is_a_call)
+    model = k3(tokenizer, nope=False, seed=2)
+    tasks = [{"id": i, "words": w} for i, w in enumerate((2, 5))]
+    requests = [EpisodeRequest(t, f"t{t['id']}", f"g{t['id']}", j) for t in tasks for j in range(2)]
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+    opening = AgentLoop(None, tokenizer, Probe, params).renderer.prompt_tokens(
+        [{"role": "system", "content": Probe().system_message()}, {"role": "user", "content": Probe().reset(tasks[1])}])
+    compaction = Compaction(tokens=len(opening) + 70, prompt="Summarise.", summary_tokens=6)
+    runs = {}
+    for reuse in (False, True):
+        engine = TorchEngine(model, tokenizer, max_batch=4, reuse_state=reuse)
+        loop = AgentLoop(engine, tokenizer, Probe, params, budget=Budget(max_turns=8), max_context_tokens=2048,
+                         compaction=compaction)
+        runs[reuse] = (engine, [t for item in loop.run(requests) for t in episode_trajectories(item)])
+        assert len(engine.sessions) == 0
+    (off, off_trajs), (on, on_trajs) = runs[False], runs[True]
+    assert [t.tokens.tolist() for t in on_trajs] == [t.tokens.tolist() for t in off_trajs]
+    assert any(t.metrics.get("compactions", 0) >= 1 for t in on_trajs)
+    assert len(on_trajs) > len(requests)  # compacted episodes hand back several sequences
+    assert on.stats.prefix_fallbacks == 0 and on.stats.resumed_prompts > 0
+    assert on.stats.prefilled_tokens < off.stats.prefilled_tokens

@@ -24,6 +24,7 @@ from typing import Any
 from k3rl.envs.base import Env
 
 AGENT_PARAMETERS = ("client", "task")
+SANDBOXES = ("thread", "process")
 
 
 def is_agent_function(target: Any) -> bool:
@@ -43,19 +44,25 @@ def builds_agent(target: Any) -> bool:
 class AgentEnv(Env):
     """Carries an agent function to the rollout workers (module docstring); it has no tools of its own."""
 
-    def __init__(self, run: Callable[..., Any], timeout_s: float = 600.0):
+    def __init__(self, run: Callable[..., Any], timeout_s: float = 600.0, sandbox: str = "thread"):
         """
         Args:
             run: the agent function `run(client, task)`.
             timeout_s: wall time of one episode; an agent still running then is a failed episode (reward 0), and
                 its further calls are refused.
+            sandbox: where an episode's agent runs: `thread` (a thread of the rollout worker: cheapest, shares its
+                memory) or `process` (a subprocess of its own, started fresh and killed at the timeout: an agent
+                that hangs, leaks or crashes the interpreter cannot touch the worker).
         """
         if not is_agent_function(run):
             raise TypeError(f"{getattr(run, '__name__', run)!r} is not an agent function run(client, task)")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: > 0 seconds, got {timeout_s!r}")
+        if sandbox not in SANDBOXES:
+            raise ValueError(f"sandbox: one of {', '.join(SANDBOXES)}, got {sandbox!r}")
         self.run = run
         self.timeout_s = float(timeout_s)
+        self.sandbox = sandbox
 
     def reset(self, task: Any) -> str:
         """The task as the agent gets it (any JSON value); checked to be JSON here."""

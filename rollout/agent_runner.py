@@ -1,6 +1,7 @@
 """`AgentRunner`: episodes of an agent of the user's own (envs/agent.py), run on a rollout worker.
 
-Each episode runs the agent function in a thread of the worker's process with an OpenAI client whose `base_url`
+Each episode runs the agent function in a thread of the worker's process (or, with `env.args.sandbox: process`, in
+a fresh subprocess killed at its timeout) with an OpenAI client whose `base_url`
 is the worker's endpoint (rollout/agent_endpoint.py) and whose API key is the episode's, so every call lands in
 its episode. Meanwhile `run` drains the endpoint's queue: it waits until every running agent has a call waiting
 (or a few milliseconds more), then samples all of them in batched `generate` calls (rollout/engine.py
@@ -44,14 +45,47 @@ LINGER_S = 0.02
 
 @dataclass
 class AgentRun:
-    """One episode: its request, its calls, the agent's thread and what the agent returned."""
+    """One episode: its request, its calls, where the agent runs and what it returned."""
 
     request: EpisodeRequest
     episode: EpisodeCalls
     thread: threading.Thread | None = None
+    process: Any = None
+    """With `sandbox: process`: the agent's subprocess and the pipe its outcome comes back on."""
+    pipe: Any = None
     outcome: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     failure: str | None = None
+
+    def running(self) -> bool:
+        if self.process is None:
+            return self.thread.is_alive()
+        if self.pipe is not None and self.pipe.poll():
+            try:
+                self.outcome.update(self.pipe.recv())
+            except (EOFError, OSError):
+                pass
+            self.pipe = None
+        if not self.process.is_alive():
+            if not self.outcome:
+                self.outcome["error"] = f"the agent's process exited with code {self.process.exitcode}"
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def _in_process(run: Any, base_url: str, key: str, task: Any, timeout_s: float, conn) -> None:
+    """A sandboxed agent's subprocess: run it, send back what it returned or raised."""
+    out: dict[str, Any] = {}
+    call_agent(run, base_url, key, task, timeout_s, out)
+    try:
+        conn.send(out)
+    except Exception as e:  # the result does not pickle: say so instead
+        conn.send({"error": f"the agent's result could not be sent back ({type(e).__name__}: {e})"})
 
 
 def call_agent(run: Any, base_url: str, key: str, task: Any, timeout_s: float, out: dict[str, Any]) -> None:
@@ -107,15 +141,25 @@ class AgentRunner:
     def run(self, requests: list[EpisodeRequest]) -> list[Trajectory]:
         """Run one episode per request to its end; one or more trajectories per episode, in request order."""
         runs = []
+        sandboxed = getattr(self.env, "sandbox", "thread") == "process"
         for r in requests:
             episode = self.endpoint.open_episode(f"{r.group_id}#{r.sample_idx}", self.env.timeout_s)
             run = AgentRun(r, episode)
-            run.thread = threading.Thread(target=call_agent, daemon=True, name=f"k3rl-agent-{episode.episode_id}",
+            if sandboxed:
+                import multiprocessing
+
+                ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of the worker's state
+                run.pipe, child = ctx.Pipe(duplex=False)
+                run.process = ctx.Process(target=_in_process, daemon=True, name=f"k3rl-agent-{episode.episode_id}",
                                           args=(self.env.run, self.endpoint.base_url, episode.key, r.task,
-                                                self.env.timeout_s, run.outcome))
+                                                self.env.timeout_s, child))
+            else:
+                run.thread = threading.Thread(target=call_agent, daemon=True, name=f"k3rl-agent-{episode.episode_id}",
+                                              args=(self.env.run, self.endpoint.base_url, episode.key, r.task,
+                                                    self.env.timeout_s, run.outcome))
             runs.append(run)
         for run in runs:
-            run.thread.start()
+            (run.process or run.thread).start()
         while True:
             live = self._live(runs)
             batch = self._gather(len(live), block=bool(live))
@@ -124,6 +168,7 @@ class AgentRunner:
             elif not live:
                 break
         for run in runs:
+            run.stop()
             self.endpoint.close_episode(run.episode, run.failure or "ended")
         self._refuse_waiting()
         if self._sessions:
@@ -135,11 +180,12 @@ class AgentRunner:
         live = []
         now = time.monotonic()
         for run in runs:
-            if run.failure is not None or not run.thread.is_alive():
+            if run.failure is not None or not run.running():
                 continue
             if now > run.episode.deadline:
                 run.failure = "timeout"
                 self.endpoint.close_episode(run.episode, f"timed out after {self.env.timeout_s:g} s")
+                run.stop()  # a subprocess is killed; a thread is left to fail on its refused calls
                 continue
             live.append(run)
         return live

@@ -250,3 +250,36 @@ def test_an_agent_function_is_named_like_a_user_environment(tmp_path, monkeypatc
     with pytest.raises(Exception, match="timeout_s"):
         make("my_agent:run", timeout_s=0)
     assert resolve("my_agent:run").name == "my_agent:run"
+
+
+def sandboxed_agent(client, task):
+    """Module-level, so that a spawned subprocess can import it."""
+    import os
+
+    if task["kind"] == "crashes":
+        os._exit(3)
+    reply = client.chat.completions.create(model="k3rl-policy", messages=[{"role": "user", "content": "hi"}])
+    if task["kind"] == "hangs":
+        time.sleep(120)
+    return {"reward": 1.0, "metrics": {"pid": os.getpid()}}
+
+
+def test_a_sandboxed_agent_runs_in_its_own_process_and_is_killed_at_its_timeout(engine):
+    import os
+
+    runner = AgentRunner(engine, engine.tokenizer, AgentEnv(sandboxed_agent, timeout_s=20.0, sandbox="process"),
+                         SamplingParams(max_tokens=8, seed=0), max_context_tokens=1024, env_name="agent")
+    started = time.monotonic()
+    try:
+        out = runner.run([EpisodeRequest({"kind": k}, k, k, 0) for k in ("fine", "crashes", "hangs")])
+    finally:
+        runner.close()
+    by_task = {t.task_id: t for t in out}
+    assert by_task["fine"].finish_reason == "done" and by_task["fine"].reward == 1.0
+    assert by_task["fine"].rewards["pid"] != os.getpid() and len(by_task["fine"].turn_spans) == 1
+    assert by_task["crashes"].finish_reason == "failed:exception"
+    assert "exited with code 3" in by_task["crashes"].info["error"]
+    assert by_task["hangs"].finish_reason == "failed:timeout" and len(by_task["hangs"].turn_spans) == 1
+    assert time.monotonic() - started < 60  # killed at its timeout, not waited for
+    with pytest.raises(ValueError, match="sandbox: one of thread, process"):
+        AgentEnv(sandboxed_agent, sandbox="docker")

@@ -283,3 +283,17 @@ def test_a_sandboxed_agent_runs_in_its_own_process_and_is_killed_at_its_timeout(
     assert time.monotonic() - started < 60  # killed at its timeout, not waited for
     with pytest.raises(ValueError, match="sandbox: one of thread, process"):
         AgentEnv(sandboxed_agent, sandbox="docker")
+
+
+@pytest.mark.vllm
+def test_the_endpoint_serves_agents_from_vllm(vllm_engine):
+    """The same endpoint over the vLLM engine (no sessions: every call is a plain `generate`): calls land in their
+    episodes, the history edit starts a second sequence, and the tokens are the ones vLLM sampled."""
+    runner = runner_for(vllm_engine, editing_agent)
+    try:
+        trajectories = runner.run([EpisodeRequest({"word": "plum"}, "t", "g", j) for j in range(2)])
+    finally:
+        runner.close()
+    assert [t.episode_id for t in trajectories] == ["g#0", "g#0", "g#1", "g#1"]
+    assert [len(t.turn_spans) for t in trajectories] == [2, 1, 2, 1]
+    assert all(t.finish_reason == "done" and "plum" in vllm_engine.tokenizer.decode(t.tokens) for t in trajectories)

@@ -7,7 +7,7 @@ opening prompt [system, task]; a group's episodes share that prompt too. So a gr
 sampled turns: loss rows). With sharing the learner computes the prompt once and branches the rows from its state
 (rl/train/units.py `make_units`, rl/train/segments.py); without, every row computes it again. Tokens computed are
 counted from the units the learner builds; the step time is the median of `--reps` GRPO steps (fp32, AdamW) after
-a warm-up, both settings in this process on the quickstart's tiny hybrid K3 (random weights); the loss of the first
+a warm-up, both settings in this process on the quickstart's tiny hybrid K3 (random weights); the first
 step's gradient norm is printed for both (equal up to rounding: tests/rl/test_segments.py checks every gradient).
 
     python bench/compacted_group.py                     # 8 episodes × 2 sequences, 1024-token prompt, 192-token tails
@@ -39,7 +39,7 @@ def group(episodes: int, sequences: int, prompt: int, tail: int, vocab: int):
     opening = rng.integers(3, vocab, prompt)
     out = []
     for e in range(episodes):
-        for s in range(sequences):
+        for _ in range(sequences):
             tokens = np.concatenate([opening, rng.integers(3, vocab, tail)]).astype(np.int32)
             mask = np.zeros(len(tokens), dtype=np.uint8)
             mask[prompt + tail // 2:] = 1

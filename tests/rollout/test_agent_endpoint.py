@@ -258,7 +258,7 @@ def sandboxed_agent(client, task):
 
     if task["kind"] == "crashes":
         os._exit(3)
-    reply = client.chat.completions.create(model="k3rl-policy", messages=[{"role": "user", "content": "hi"}])
+    client.chat.completions.create(model="k3rl-policy", messages=[{"role": "user", "content": "hi"}])
     if task["kind"] == "hangs":
         time.sleep(120)
     return {"reward": 1.0, "metrics": {"pid": os.getpid()}}

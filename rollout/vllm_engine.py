@@ -212,5 +212,21 @@ class VLLMEngine:
         self.reset_cache()
         self.version = version
 
+    def load_adapter_dir(self, directory: str | Path, version: int) -> None:
+        """Serve a PEFT adapter directory as it is (a LoRA checkpoint's `adapter/`, rl/train/lora.py `save_adapter`,
+        or any PEFT LoRA of this base) in place of pushed adapters; the directory is read, never removed."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise ValueError("load_adapter_dir: this vLLM engine was built without lora_rank")
+        config = json.loads((Path(directory) / "adapter_config.json").read_text())
+        if int(config.get("r", 0)) > self.lora_rank:
+            raise ValueError(f"{directory}: adapters of rank {config.get('r')}; this engine serves rank ≤ "
+                             f"{self.lora_rank}")
+        self._lora_ids += 1
+        self._lora_request = LoRARequest(f"k3rl-dir-v{version}", self._lora_ids, str(directory))
+        self.reset_cache()
+        self.version = version
+
     def reset_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -248,10 +248,11 @@ def test_an_adapter_push_gives_the_native_engine_the_merged_weights(k3_dir, k3_b
 
 
 @pytest.mark.vllm
-def test_vllm_serves_the_pushed_adapters_as_a_lora_adapter(tiny_qwen3_dir, vllm_cpu):
+def test_vllm_serves_the_pushed_adapters_as_a_lora_adapter(tiny_qwen3_dir, vllm_cpu, tmp_path):
     """`learner.lora.push: adapters` to the vLLM engine (rollout/vllm_engine.py): each push becomes a vLLM LoRA
-    adapter over the unchanged base, and vLLM's behaviour log-probs are the LoRA learner's, push after push; a
-    push vLLM cannot serve is refused by name and the engine keeps the adapter it had."""
+    adapter over the unchanged base, and vLLM's behaviour log-probs are the LoRA learner's, push after push, and
+    with the learner's checkpoint adapter directory loaded as it is (`load_adapter_dir`); a push vLLM cannot serve
+    is refused by name and the engine keeps the adapter it had."""
     from k3rl.rollout.vllm_engine import VLLMEngine
 
     learner = Learner(LearnerConfig(model_path=str(tiny_qwen3_dir), lr=5e-2, micro_batch_tokens=64,
@@ -265,6 +266,13 @@ def test_vllm_serves_the_pushed_adapters_as_a_lora_adapter(tiny_qwen3_dir, vllm_
         for t, lp in zip(fresh, learner.score(fresh)):
             np.testing.assert_allclose(lp, behaviour(t), atol=2e-4)
     assert nbytes(push) < 0.2 * nbytes(learner.named_weights())
+    # a LoRA checkpoint's adapter directory (PEFT's format) is read by vLLM's LoRA loader as it is
+    learner.save(tmp_path / "ckpt")
+    engine.load_adapter_dir(tmp_path / "ckpt" / "adapter", version=learner.version)
+    fresh = sample(engine, PROMPTS, group_size=2, max_tokens=6, seed=20)
+    for t, lp in zip(fresh, learner.score(fresh)):
+        np.testing.assert_allclose(lp, behaviour(t), atol=2e-4)
+    engine.load_weights(push, version=learner.version)
     before = sample(engine, PROMPTS[:1], group_size=1, max_tokens=6, seed=3)
     with pytest.raises(ValueError, match="built for rank ≤ 4"):
         wide = [(n, torch.cat([t, t], dim=-1 if n.endswith("@lora_P") else 0)) for n, t in push]

@@ -627,7 +627,7 @@ def kill_after_a_checkpoint(config: Path, run_dir: Path, log_path: Path) -> tupl
             saved = ckpt.list_checkpoints(root)
             return bool(saved) and any(step > saved[-1][0] for step in step_lines(run_dir))
 
-        deadline = time.time() + 150
+        deadline = time.time() + 400  # only a slow (loaded) machine waits this long
         while not past_checkpoint() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,14 @@ def readme_agent() -> str:
     (code,) = [b for b in blocks if "def run(client, task)" in b]
     assert len([line for line in code.splitlines() if line.strip()]) <= 30
     return code
+
+
+@pytest.fixture(autouse=True)
+def forget_my_agent():
+    """The registry imports the user's `my_agent` into this process: each test gets its own file's."""
+    sys.modules.pop("my_agent", None)
+    yield
+    sys.modules.pop("my_agent", None)
 
 
 @pytest.fixture
@@ -51,6 +60,7 @@ def test_an_openai_agent_trains_and_every_call_lands_in_its_episode(ray_cluster,
     from k3rl.rl.orchestrator.trainer import Trainer
 
     monkeypatch.chdir(agent_dir)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the registry puts the current directory on it
     tokenizer = None
     seen = []
 
@@ -95,6 +105,7 @@ def test_partial_rollouts_of_an_agent_are_refused_by_name(agent_dir, tiny_qwen3_
     from k3rl.rl.orchestrator.trainer import Trainer
 
     monkeypatch.chdir(agent_dir)
+    monkeypatch.setattr(sys, "path", list(sys.path))
     cfg = load_config(agent_recipe(agent_dir, tiny_qwen3_dir, "partial"), ["rollout.partial_rounds=2"],
                       schema=JobConfig)
     with pytest.raises(ConfigError, match="an agent function's episodes run whole"):

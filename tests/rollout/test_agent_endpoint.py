@@ -237,19 +237,25 @@ def test_agents_that_fail_are_failed_episodes_and_the_others_finish(engine):
 
 
 def test_an_agent_function_is_named_like_a_user_environment(tmp_path, monkeypatch):
+    import sys
+
     from k3rl.envs import make
     from k3rl.envs.registry import resolve
 
-    (tmp_path / "my_agent.py").write_text("def run(client, task):\n    return 1.0\n\n"
-                                          "def helper(x, y):\n    return x\n")
+    name = "k3rl_registry_probe_agent"  # a module name no other test imports (sys.modules keeps modules)
+    (tmp_path / f"{name}.py").write_text("def run(client, task):\n    return 1.0\n\n"
+                                         "def helper(x, y):\n    return x\n")
     monkeypatch.chdir(tmp_path)
-    env = make("my_agent:run", timeout_s=5)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(sys.modules, name, None)  # restored (removed) after the test
+    del sys.modules[name]
+    env = make(f"{name}:run", timeout_s=5)
     assert isinstance(env, AgentEnv) and env.timeout_s == 5.0
     with pytest.raises(Exception, match="missing 2 required positional arguments"):  # a factory, not an agent
-        make("my_agent:helper")
+        make(f"{name}:helper")
     with pytest.raises(Exception, match="timeout_s"):
-        make("my_agent:run", timeout_s=0)
-    assert resolve("my_agent:run").name == "my_agent:run"
+        make(f"{name}:run", timeout_s=0)
+    assert resolve(f"{name}:run").name == f"{name}:run"
 
 
 def sandboxed_agent(client, task):

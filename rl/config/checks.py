@@ -119,12 +119,12 @@ def check_train(cfg: Any) -> None:
     ro = cfg.rollout
     if ro.compaction_tokens:
         _at_least(cfg, ("rollout.summary_tokens", "rollout.max_compactions"), 1)
-        need = ro.compaction_tokens + ro.max_new_tokens + ro.summary_tokens
-        if ro.compaction_tokens < 0 or need > ro.max_context_tokens:
-            raise ConfigError(f"rollout.compaction_tokens: {ro.compaction_tokens} + max_new_tokens {ro.max_new_tokens} "
-                              f"+ summary_tokens {ro.summary_tokens} = {need} must fit rollout.max_context_tokens "
-                              f"{ro.max_context_tokens} (the summary is asked for after a turn that may end at the "
-                              f"budget)")
+        need = ro.compaction_tokens + ro.summary_tokens
+        if ro.compaction_tokens < 0 or need >= ro.max_context_tokens:
+            raise ConfigError(f"rollout.compaction_tokens: {ro.compaction_tokens} + summary_tokens {ro.summary_tokens} "
+                              f"= {need} must stay under rollout.max_context_tokens {ro.max_context_tokens}: the "
+                              f"summary is written after the context reached the budget (an episode whose request "
+                              f"and summary do not fit ends truncated)")
     _at_least(cfg, ("rl.max_staleness", "eval.every", "rl.save_every", "rollout.max_restarts", "rollout.partial_rounds",
                     "eval.grid_every"), 0)
     _at_least(cfg, ("eval.grid_num_tasks",), 1)

@@ -228,6 +228,8 @@ def test_sync_run_logs_checkpoints_and_syncs_weights(ray_cluster, tiny_qwen3_dir
                                          "max_batch"),
     ("rl.model_path=tests/fixtures/k3_per_expert", "has no tokenizer (tokenizer.json / tokenizer_config.json)"),
     ("rl.model_path=tests/fixtures", "rl.model_path: no Hugging Face model at tests/fixtures (config.json missing)"),
+    ("rollout.compaction_tokens=2000", "rollout.compaction_tokens: 2000 + summary_tokens 256 = 2256 must stay under "
+                                       "rollout.max_context_tokens 2048"),
 ])
 def test_late_errors_are_named_before_anything_starts(tiny_qwen3_dir, task_files, tmp_path, override, message):
     """Settings only an environment, algorithm or engine understands are checked in the driver, before Ray

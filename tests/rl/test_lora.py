@@ -320,3 +320,28 @@ def test_lora_with_muon_and_the_supervised_objective(k3_dir, k3_batch):
     assert "Muon" in kinds and all(id(p) in adapters for o in learner.optimizers for p in o.state)
     assert all(torch.equal(frozen[n], p) for n, p in learner.model.named_parameters() if ".lora_" not in n)
     assert any(not torch.equal(before[n], p) for n, p in adapters_of(learner).items())
+
+
+def test_lora_on_packed_documents_equals_the_documents_apart(k3_dir):
+    """Pretraining rows through a LoRA learner (`algo: nll`, documents packed with restarting positions,
+    rl/pretrain/packing.py): the adapters' gradients equal those of the documents trained as separate sequences
+    (float64)."""
+    from tests.rl.test_pretrain import packed, row
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(20, 400, n) for n in (40, 13, 27)]
+    grads = []
+    for batch in ([packed(docs)], [row(d) for d in docs]):
+        learner = k3_learner(k3_dir, algo="nll", dtype="float64", max_grad_norm=0.0, micro_batch_tokens=4096)
+        randomise_adapters(learner.model, seed=2)
+        captured = {}
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: captured.__setitem__(n, p.grad.clone()))
+                 for n, p in learner.model.named_parameters() if p.requires_grad]
+        learner.train_step(batch)
+        for h in hooks:
+            h.remove()
+        assert captured and all(".lora_" in n for n in captured)
+        grads.append(captured)
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][n], atol=1e-10, rtol=1e-8, msg=n)

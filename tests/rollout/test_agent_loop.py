@@ -201,3 +201,27 @@ def test_compaction_stops_when_the_summary_does_not_shorten_the_context(tokenize
                           compaction=compaction, prefix_cut=10)
     (only,) = episode_trajectories(item)
     assert only.finish_reason == "truncated:context" and only.episode_id == ""
+
+
+def test_a_compacted_episode_paused_between_turns_ends_as_the_whole_run(tokenizer):
+    """Partial rollouts (`run(max_rounds=1)`, then `resume`) with compaction: the paused episode carries its ended
+    sequences and its summary request across the pauses, and ends with the sequences of an uninterrupted run."""
+    from k3rl.rollout.agent_loop import SUMMARY_HEADER, Compaction, episode_trajectories
+
+    summary = "Added 2 and 3."
+    task = {"a": 2, "b": 3}
+    opening = [{"role": "system", "content": Calc().system_message()}, {"role": "user", "content": Calc().reset(task)}]
+    renderer = AgentLoop(None, tokenizer, Calc, SamplingParams()).renderer
+    restart = renderer.prompt_tokens(opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+    compaction = Compaction(tokens=len(restart) + 1, prompt="Summarise.", summary_tokens=32)
+    loop, engine, (whole,) = run(tokenizer, [task], [[CALL, summary, ANSWER]], compaction=compaction, prefix_cut=10)
+    engine.scripts = [[CALL, summary, ANSWER]]
+    items = loop.run([EpisodeRequest(task, "t0", "g0")], max_rounds=1)
+    pauses = 0
+    while not isinstance(items[0], list):
+        pauses += 1
+        items = loop.run([], max_rounds=1, resume=items)
+    assert pauses == 2  # paused after the call and after the summary
+    got, want = episode_trajectories(items[0]), episode_trajectories(whole)
+    assert [t.tokens.tolist() for t in got] == [t.tokens.tolist() for t in want]
+    assert [t.episode_id for t in got] == ["g0#0", "g0#0"] and all(t.metrics["pauses"] == 2 for t in got)

@@ -6,8 +6,9 @@ and the self-check ask one object instead of each probing the model.
   k3rl's old one, by config.json's model_type) is read by model/formats/load.py into a `K3Policy`, any other
   causal LM by transformers' Auto classes into an `HFPolicy` (a directory's own code only with `trust_remote_code`,
   model/formats/trust.py); dropout is switched off. `Policy(model)` picks the family by the model's type.
-- `final_hidden` / `branch_hidden`: the hidden states the LM head reads, after the final norm (K3 applies it here,
-  to the selected `rows` only, so it never runs on prompt rows; HF models return it normed); the model computes
+- `final_hidden` / `tree_hidden`: the hidden states the LM head reads, after the final norm (K3 applies it here,
+  to the selected `rows` only, so it never runs on prompt rows; HF models return it normed); `tree_hidden` runs a
+  prefix tree of `BranchNode`s (rl/train/prefix_tree.py), each shared prefix once; the model computes
   logits for one position only (`logits_to_keep=1`, where supported). `position_ids` packs documents into rows,
   transformers-style (positions restart at 0 per document), for both families.
 - `head()` / `selected_logprobs(hidden, targets, chunk_size, entropy)`: the LM head weight and logit scale, and
@@ -29,12 +30,31 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from k3rl.model.logprobs import selected_logprobs
+
+
+@dataclass
+class BranchNode:
+    """One node of a prefix tree (`Policy.tree_hidden`): `ids` [b, t] continue the path of node `parent` at position
+    `start`, the parent's state (one row) repeated to the b rows; `parent` −1: the root, from an empty state."""
+
+    parent: int
+    start: int
+    ids: torch.Tensor
+    """[b, t] int64 tokens, right-padded."""
+    valid: torch.Tensor
+    """[b, t] bool, real tokens (a node with children is one row without padding)."""
+    routed: Optional[torch.Tensor]
+    """[b, t, L, k] int64 routing to replay (-1: route), or None."""
+    read_b: torch.Tensor
+    read_t: torch.Tensor
+    """[m] int64 each: the (row, column) positions whose hidden states are returned (duplicates allowed)."""
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -123,7 +143,7 @@ class Policy:
         return selected_logprobs(hidden, weight, targets, chunk_size, scale, return_entropy=entropy)
 
     def can_share_prefix(self, recompute: str) -> bool:
-        """Whether a group's shared prompt can be computed once and branched from in training (`branch_hidden`)
+        """Whether shared prefixes can be computed once and branched from in training (`tree_hidden`)
         under the learner's `recompute` mode."""
         return True
 
@@ -154,14 +174,12 @@ class Policy:
         (`find_packed_sequence_indices`; their attention implementation must honour it)."""
         raise NotImplementedError
 
-    def branch_hidden(self, prefix: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
-                      prefix_routed: Optional[torch.Tensor] = None,
-                      routed_expert_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Hidden states after the final norm of `rows` [B, T] (→ [N, d]) of B sequences that all start with
-        `prefix` [1, P] and go on with `input_ids` [B, T] (right-padded, `valid` 0 on padding): the prefix is
-        computed once and its cache repeated to the rows, one autograd graph, so gradients reaching the prefix
-        are summed over the rows (group prefix sharing, rl/train/segments.py). K3: its hybrid cache (routing replayed
-        with `prefix_routed` / `routed_expert_ids`); other models: their KV cache, positions continuing after P."""
+    def tree_hidden(self, nodes: list[BranchNode]) -> torch.Tensor:
+        """Hidden states after the final norm at every node's read positions, concatenated in node order [Σ m, d],
+        of a prefix tree (`nodes` parents first): each node runs once, from its parent's cache repeated to its rows,
+        in one autograd graph, so the gradients reaching a shared prefix are summed over everything that reads it
+        (rl/train/prefix_tree.py). K3: its hybrid cache (routing replayed with `routed`); other models: their KV
+        cache, positions continuing along the path."""
         raise NotImplementedError
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int,
@@ -225,15 +243,22 @@ class K3Policy(Policy):
         h = out.hidden_states if rows is None else out.hidden_states[rows]
         return self.model.model.norm(h)
 
-    def branch_hidden(self, prefix, input_ids, valid, rows, prefix_routed=None, routed_expert_ids=None):
-        B, T = input_ids.shape
-        P = prefix.shape[1]
-        cache = self.model.new_cache(1, capacity=P + T)
-        self.model(prefix, cache=cache, routed_expert_ids=prefix_routed, logits_to_keep=1)
-        cache = cache.select(torch.zeros(B, dtype=torch.long, device=input_ids.device))
-        out = self.model(input_ids, cache=cache, routed_expert_ids=routed_expert_ids, routing_mask=valid.bool(),
-                         return_hidden_states=True, logits_to_keep=1)
-        return self.model.model.norm(out.hidden_states[rows])
+    def tree_hidden(self, nodes):
+        capacity = max(n.start + n.ids.shape[1] for n in nodes)
+        parents = {n.parent for n in nodes}
+        caches, out = {}, []
+        for k, node in enumerate(nodes):
+            b = node.ids.shape[0]
+            if node.parent < 0:
+                cache = self.model.new_cache(b, capacity=capacity)
+            else:  # a copy of the parent's state per row (`K3Cache.select`): the parent's stays for its other children
+                cache = caches[node.parent].select(torch.zeros(b, dtype=torch.long, device=node.ids.device))
+            o = self.model(node.ids, cache=cache, routed_expert_ids=node.routed, routing_mask=node.valid,
+                           return_hidden_states=True, logits_to_keep=1)
+            if k in parents:
+                caches[k] = cache
+            out.append(o.hidden_states[node.read_b, node.read_t])
+        return self.model.model.norm(torch.cat(out))
 
     def prefill(self, ids, mask, capacity, segment_tokens=None):
         B, T = ids.shape
@@ -312,16 +337,25 @@ class HFPolicy(Policy):
         h = out.hidden_states[-1]
         return h if rows is None else h[rows]
 
-    def branch_hidden(self, prefix, input_ids, valid, rows, prefix_routed=None, routed_expert_ids=None):
-        B, T = input_ids.shape
-        P = prefix.shape[1]
-        cache = self.model(input_ids=prefix, use_cache=True, **self._keep).past_key_values
-        cache.batch_repeat_interleave(B)
-        mask = torch.cat([valid.new_ones(B, P), valid], dim=1).long()
-        positions = (P + torch.arange(T, device=input_ids.device)).expand(B, T)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, output_hidden_states=True, **self._keep)
-        return out.hidden_states[-1][rows]
+    def tree_hidden(self, nodes):
+        from transformers import DynamicCache
+
+        parents = {n.parent for n in nodes}
+        caches, out = {}, []
+        for k, node in enumerate(nodes):
+            b, t = node.ids.shape
+            past = None
+            if node.parent >= 0:  # a new cache over the parent's keys and values, repeated per row (not in place)
+                past = DynamicCache([(layer.keys.repeat_interleave(b, 0), layer.values.repeat_interleave(b, 0))
+                                     for layer in caches[node.parent].layers], config=self.model.config)
+            mask = torch.cat([node.valid.new_ones(b, node.start), node.valid], dim=1).long()
+            positions = (node.start + torch.arange(t, device=node.ids.device)).expand(b, t)
+            o = self.model(input_ids=node.ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                           use_cache=True, output_hidden_states=True, **self._keep)
+            if k in parents:
+                caches[k] = o.past_key_values
+            out.append(o.hidden_states[-1][node.read_b, node.read_t])
+        return torch.cat(out)
 
     def prefill(self, ids, mask, capacity, segment_tokens=None):
         B, T = ids.shape

@@ -4,8 +4,8 @@ A trajectory of N tokens becomes one sequence of n = N − 1 positions: inputs `
 targets `tokens[1:]`, trained where `loss_mask[1:]` is 1 (the hidden state at position t scores
 token t + 1). `pack_micro_batches` groups whole sequences, longest first, so that the padded size
 B·T of each micro-batch stays within a token budget (a sequence longer than a segment is then trained
-segment by segment, rl/train/segments.py); `group_prefixes` finds the samples of a group that share their
-prompt, so that the prompt is computed once for them; `collate`
+segment by segment, rl/train/segments.py); sequences that start alike run as prefix trees
+(rl/train/prefix_tree.py); `collate`
 right-pads them and packs the loss-mask tokens flat in row-major order, which is the `[T]`
 layout `rl.algos.base.LossInputs` wants. Right padding needs no attention mask for causal
 models (a real token never attends to a later position); the mask is still passed to HF models.
@@ -165,56 +165,6 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int, max_seqs: Opti
     return batches
 
 
-def shared_prefix(seqs: Sequence[TrainSequence]) -> int:
-    """Positions every sequence shares before any of them has a loss row: same inputs, same recorded routing
-    (a group's prompt). At least one position is left to each sequence."""
-    first = seqs[0]
-    n = min(len(s.inputs) for s in seqs) - 1
-    for s in seqs:
-        loss_rows = np.flatnonzero(s.mask)
-        n = min(n, int(loss_rows[0]) if len(loss_rows) else n)
-        differ = np.flatnonzero(s.inputs[:n] != first.inputs[:n])
-        n = min(n, int(differ[0]) if len(differ) else n)
-        if (s.routed is None) != (first.routed is None):
-            return 0
-        if s.routed is not None:
-            rows = np.flatnonzero((s.routed[:n] != first.routed[:n]).reshape(n, -1).any(-1))
-            n = min(n, int(rows[0]) if len(rows) else n)
-    return max(n, 0)
-
-
-def group_prefixes(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: Optional[int] = None,
-                   min_prefix: int = 16) -> tuple[list[tuple[int, list[int]]], list[int]]:
-    """Split sequences into prefix-sharing units and the rest.
-
-    Sequences of one `group` sharing at least `min_prefix` positions (`shared_prefix`) form units of (prefix
-    length, member indices): members longest first, as many per unit as fit `token_budget` (prefix + count ×
-    longest suffix; the suffixes get at least half of it) and `max_seqs`; each unit computes the prefix once. Returns
-    (units, indices of the rest).
-    """
-    by_group: dict[str, list[int]] = {}
-    for i, s in enumerate(seqs):
-        if s.group and s.positions is None:
-            by_group.setdefault(s.group, []).append(i)
-    units: list[tuple[int, list[int]]] = []
-    shared: set[int] = set()
-    for members in by_group.values():
-        if len(members) < 2:
-            continue
-        P = shared_prefix([seqs[i] for i in members])
-        if P < min_prefix:
-            continue
-        order = sorted(members, key=lambda i: (-len(seqs[i].inputs), i))
-        # the suffixes share what the prefix leaves of the budget, at least half of it (a prompt longer than the
-        # budget is trained segment by segment anyway, and alone each member would cost the whole prompt again)
-        budget = max(token_budget - P, token_budget // 2, 1)
-        for idx in pack_micro_batches([len(seqs[i].inputs) - P for i in order], budget, max_seqs):
-            if len(idx) > 1:
-                units.append((P, [order[j] for j in idx]))
-                shared.update(order[j] for j in idx)
-    return units, [i for i in range(len(seqs)) if i not in shared]
-
-
 def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Optional[tuple[int, int]]) -> MicroBatch:
     """Right-pad `seqs` into one micro-batch on `device`; with `routing_shape` = (L, k) and any
     sequence carrying recorded routing, also the [B, T, L, k] ids to replay (-1 elsewhere)."""
@@ -252,5 +202,5 @@ def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Opti
                       position_ids=None if positions is None else t(positions))
 
 
-__all__ = ["MicroBatch", "TrainSequence", "collate", "group_prefixes", "pack_micro_batches", "shared_prefix",
+__all__ = ["MicroBatch", "TrainSequence", "collate", "pack_micro_batches",
            "split_documents", "to_train_sequence"]

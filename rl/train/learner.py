@@ -2,7 +2,8 @@
 the configured objective (rl/algos/) on this rank's share of the batch.
 
 Advantages per group (`compute_advantages`); trajectories become sequences run as micro-batch units within
-`micro_batch_tokens` (rl/train/batching.py, rl/train/units.py): a group's shared prompt computed once, a unit longer
+`micro_batch_tokens` (rl/train/batching.py, rl/train/units.py): shared prefixes computed once as prefix trees
+(rl/train/prefix_tree.py), a unit longer
 than `segment_tokens` run segment by segment (rl/train/segments.py). log π comes from the policy's final hidden states
 through the chunked LM head (model/policy.py, model/logprobs.py), never full logits; π_old is the current weights
 (`old_logprobs = logprobs.detach()`: the PPO ratio is 1 at the step), the behaviour policy enters through truncated IS,
@@ -205,18 +206,20 @@ class Learner:
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """log π(target) [N] (and entropy [N]) on the loss-mask positions of a unit, as one autograd graph (or
         segment by segment without grad when the unit is longer than a segment and grad is off)."""
-        mb, score = unit.mb, self._scorer(policy, unit.mb.targets, entropy)
+        mb, score = unit.mb, self._scorer(policy, unit.targets, entropy)
         if self._segmented(unit):
             if torch.is_grad_enabled():
                 raise RuntimeError("a unit longer than learner.segment_tokens trains through segments.forward/backward")
             with router_balance.stats_paused(self._routers):
                 fwd = segments.forward(policy.model, unit, self.cfg.segment_tokens, score, keep_states=False)
-            return fwd.logprobs, fwd.entropy
-        if unit.prefix is not None:
-            return segments.graph_logprobs(policy, unit, score)
-        hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
-                                     rows=mb.loss_mask, position_ids=mb.position_ids)  # [N, d]
-        return score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
+            logp, ent = fwd.logprobs, fwd.entropy
+        elif unit.tree is not None:
+            logp, ent = segments.graph_logprobs(policy, unit, score)
+        else:
+            hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
+                                         rows=mb.loss_mask, position_ids=mb.position_ids)  # [N, d]
+            logp, ent = score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
+        return unit.to_tokens(logp), None if ent is None else unit.to_tokens(ent)
 
     def _units(self, seqs: list[TrainSequence], share_prefix: bool) -> list[segments.Unit]:
         return units.make_units(seqs, self.cfg, self.policy, self.device, self._replay_shape, share_prefix)
@@ -256,15 +259,16 @@ class Learner:
         mb = unit.mb
         ref = None
         if self.ref_policy is not None:
-            plain = segments.Unit(dataclasses.replace(mb, routed=None), unit.prefix, None)  # the reference routes itself
-            with torch.no_grad():
-                ref, _ = self.logprobs(self.ref_policy, plain)
+            with torch.no_grad():  # the reference routes itself
+                ref, _ = self.logprobs(self.ref_policy, unit.without_routing())
         fwd = None
         if self._segmented(unit):
-            score = self._scorer(self.policy, mb.targets, self.cfg.compute_entropy)
+            score = self._scorer(self.policy, unit.targets, self.cfg.compute_entropy)
             with router_balance.stats_paused(self._routers):  # counted once, in the backward's recomputation
                 fwd = segments.forward(self.model, unit, self.cfg.segment_tokens, score)
-            logp, entropy = fwd.logprobs.detach().requires_grad_(), fwd.entropy
+            scored = fwd.logprobs.detach().requires_grad_()  # [M]: the pairs of a tree, else the tokens
+            logp = unit.to_tokens(scored)
+            entropy = None if fwd.entropy is None else unit.to_tokens(fwd.entropy)
         else:
             logp, entropy = self.logprobs(self.policy, unit, entropy=self.cfg.compute_entropy)
         inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
@@ -274,8 +278,8 @@ class Learner:
         loss, metrics = self.algo.loss(inputs)
         loss.backward()
         if fwd is not None:
-            segments.backward(self.model, unit, self.cfg.segment_tokens, fwd, logp.grad,
-                              self._scorer(self.policy, mb.targets))
+            segments.backward(self.model, unit, self.cfg.segment_tokens, fwd, scored.grad,
+                              self._scorer(self.policy, unit.targets))
         if entropy is not None:
             metrics["entropy"] = entropy.detach().sum() / n_tokens
         return loss.detach(), metrics

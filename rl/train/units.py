@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from k3rl.rl.train import router_balance
-from k3rl.rl.train.batching import TrainSequence, collate, group_prefixes, pack_micro_batches, split_documents
+from k3rl.rl.train.batching import TrainSequence, collate, pack_micro_batches, split_documents
+from k3rl.rl.train.prefix_tree import build_tree, plan_trees
 from k3rl.rl.train.segments import Unit
 
 
@@ -39,21 +39,17 @@ def pack(seqs: list[TrainSequence], token_budget: int, max_seqs: Optional[int]) 
 
 def make_units(seqs: list[TrainSequence], cfg: Any, policy: Any, device: torch.device,
                routing_shape: Optional[tuple[int, int]], share_prefix: bool) -> list[Unit]:
-    """Micro-batches as units: the groups' prefix-sharing units (with `share_prefix`, when the policy can branch from
-    a shared prompt), then the rest packed whole, longest first, within `cfg.micro_batch_tokens`. `routing_shape`
-    (L, k) replays recorded routings; None: none."""
+    """Micro-batches as units: prefix trees of the sequences that start alike (with `share_prefix`, when the policy
+    can branch from a shared prefix), then the rest packed whole, longest first, within `cfg.micro_batch_tokens`.
+    `routing_shape` (L, k) replays recorded routings; None: none."""
     seqs = [piece for s in seqs for piece in pieces(s, cfg.segment_tokens, policy.segments)]
     units: list[Unit] = []
     rest = list(range(len(seqs)))
     if share_prefix and policy.can_share_prefix(cfg.recompute):
-        shared, rest = group_prefixes(seqs, cfg.micro_batch_tokens, cfg.micro_batch_seqs)
-        for P, members in shared:
-            first = seqs[members[0]]
-            routed = None
-            if routing_shape is not None and first.routed is not None:
-                routed = torch.from_numpy(first.routed[None, :P].astype(np.int64)).to(device)
-            units.append(Unit(collate([seqs[i].tail(P) for i in members], device, routing_shape),
-                              torch.from_numpy(first.inputs[None, :P].astype(np.int64)).to(device), routed))
+        trees, rest = plan_trees(seqs, cfg.micro_batch_tokens, cfg.micro_batch_seqs)
+        for members in trees:
+            chosen = [seqs[i] for i in members]
+            units.append(Unit(collate(chosen, device, None), build_tree(chosen, device, routing_shape)))
     for idx in pack([seqs[i] for i in rest], cfg.micro_batch_tokens, cfg.micro_batch_seqs):
         units.append(Unit(collate([seqs[rest[j]] for j in idx], device, routing_shape)))
     return units

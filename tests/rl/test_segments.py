@@ -1,4 +1,4 @@
-"""Segment-recurrent training and group prefix sharing (rl/train/segments.py) against whole-sequence training, in float64:
+"""Segment-recurrent training and prefix sharing (rl/train/segments.py) against whole-sequence training, in float64:
 the loss and every parameter gradient of a step are the same whether a sequence runs whole, in segments (lengths not
 multiples of the segment, loss masks that skip whole segments), or as a shared prompt branched to its group."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3rl.rl.train import router_balance
-from k3rl.rl.train.batching import group_prefixes, shared_prefix, to_train_sequence
+from k3rl.rl.train.batching import to_train_sequence
 from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
 from k3rl.rollout.trajectory import TrajectoryBuilder
 from tests.model.k3_factory import make_config, make_model
@@ -105,7 +105,7 @@ def _segmented_equals_whole(k3_path, algo):
     learner = make_learner(k3_path, algo=algo)
     trajectories = batch()
     whole = step_grads(learner, trajectories, None, share_prefix=False)
-    assert all(u.prefix is None for u in whole[2]) and max(u.length for u in whole[2]) > 100
+    assert all(u.tree is None for u in whole[2]) and max(u.length for u in whole[2]) > 100
     for seg in (32, 23):  # 23: no length is a multiple of it
         segmented = step_grads(learner, trajectories, seg, share_prefix=False)
         assert_same(segmented, whole)
@@ -126,7 +126,8 @@ def test_prefix_sharing_equals_separate(k3_path):
     trajectories = batch(routed=True)
     separate = step_grads(learner, trajectories, None, share_prefix=False)
     shared = step_grads(learner, trajectories, None, share_prefix=True)
-    assert [u.prefix_len for u in shared[2] if u.prefix is not None] == [69]  # the 9-token prompt is too short; 69 predicts a sampled token
+    # the 9-token prompt is too short; the 70th prompt position predicts each member's first sampled token
+    assert [u.prefix_len for u in shared[2] if u.tree is not None] == [70]
     assert_same(shared, separate)
     for seg in (16, 25):  # the prefix in several segments, the branch inside the member part
         assert_same(step_grads(learner, trajectories, seg, share_prefix=True), separate)
@@ -137,26 +138,7 @@ def test_prefix_sharing_counts_prompt_once(k3_nope):
     trajectories = batch()
     separate = step_grads(learner, trajectories, None, share_prefix=False)[3]
     shared = step_grads(learner, trajectories, None, share_prefix=True)[3]
-    assert [s - h for s, h in zip(separate, shared)] == [2 * 69] * len(shared)
-
-
-def test_shared_prefix_rules():
-    rng = np.random.default_rng(1)
-    p = rng.integers(1, V, 30)
-    ts = [trajectory(rng, p, 10, "g", 1.0), trajectory(rng, p, 12, "g", 0.0)]
-    seqs = [to_train_sequence(t, 0.0) for t in ts]
-    assert shared_prefix(seqs) == 29  # the last prompt position predicts the first sampled token: a loss row
-    other = to_train_sequence(trajectory(rng, np.r_[p[:5], p[5:] + 1], 10, "g", 0.0), 0.0)
-    assert shared_prefix([*seqs, other]) == 5
-    units, rest = group_prefixes(seqs, token_budget=1000, min_prefix=16)
-    assert units == [(29, [1, 0])] and rest == []
-    assert group_prefixes([*seqs, other], token_budget=1000, min_prefix=16) == ([], [0, 1, 2])  # 5 < 16
-    alone = to_train_sequence(trajectory(rng, p, 10, "h", 0.0), 0.0)  # the same prompt in another group
-    assert group_prefixes([*seqs, alone], token_budget=1000, min_prefix=16) == ([(29, [1, 0])], [2])
-    units, rest = group_prefixes(seqs, token_budget=2 * 11 + 1, min_prefix=16)  # one member per unit: nothing shared
-    assert units == [] and rest == [0, 1]
-    # a prompt longer than the budget: the suffixes still share it, within half the budget
-    assert group_prefixes(seqs, token_budget=48, min_prefix=16) == ([(29, [1, 0])], [])  # 2 × 12 ≤ 48 // 2
+    assert [s - h for s, h in zip(separate, shared)] == [2 * 70] * len(shared)
 
 
 def test_segment_tokens_validated(k3_nope):
@@ -181,10 +163,10 @@ def test_segmented_with_blocked_attention(k3_nope, monkeypatch):
 
 
 def test_prefix_sharing_equals_separate_hf(tiny_qwen3_dir):
-    """Any HF causal LM shares a group's prompt through its KV cache (model/policy.py `branch_hidden`)."""
+    """Any HF causal LM shares a group's prompt through its KV cache (model/policy.py `tree_hidden`)."""
     learner = make_learner(tiny_qwen3_dir)
     trajectories = batch()
     shared = step_grads(learner, trajectories, None, share_prefix=True)
-    assert [u.prefix_len for u in shared[2] if u.prefix is not None] == [69]
+    assert [u.prefix_len for u in shared[2] if u.tree is not None] == [70]
     # 1e-6: Qwen3's RMSNorm and RoPE compute in float32 even in a float64 model (a wrong branch is off by O(1))
     assert_same(shared, step_grads(learner, trajectories, None, share_prefix=False), rtol=1e-6)

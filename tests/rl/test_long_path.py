@@ -116,9 +116,7 @@ def train_step(learner: Learner, trajectories) -> dict:
     for unit, x in zip(units, inputs):
         mb = unit.mb
         for r in range(mb.num_seqs):
-            tokens = mb.input_ids[r][mb.valid[r]]
-            if unit.prefix is not None:
-                tokens = torch.cat([unit.prefix[0], tokens])
+            tokens = mb.input_ids[r][mb.valid[r]]  # a tree unit's micro-batch holds its sequences whole
             i = which[tuple(tokens.tolist())]
             for key, out in rows.items():
                 assert out[i] is None, "a trajectory trained twice"
@@ -190,8 +188,8 @@ def test_long_path_equals_plain_on_recipe_trajectories(recipe_dir, plain_step, a
     trajectory whole, nothing shared)."""
     batch, ref = plain_step
     got = train_step(make_learner(recipe_dir, SEG, True, kl_coef=0.05), batch)
-    assert all(u.prefix is None and u.length < 1000 for u in ref["units"])
-    assert [(u.prefix_len, u.mb.num_seqs) for u in got["units"]] == [(384, 4), (300, 4)]
+    assert all(u.tree is None and u.length < 1000 for u in ref["units"])
+    assert [(u.prefix_len, u.mb.num_seqs) for u in got["units"]] == [(385, 4), (300, 4)]
     assert max(u.length for u in got["units"]) > 3 * SEG
     n = [int(t.loss_mask[1:].sum()) for t in batch]
     assert [len(x) for x in ref["logprobs"]] == n
@@ -205,11 +203,12 @@ def test_long_path_equals_plain_on_recipe_trajectories(recipe_dir, plain_step, a
 
 
 def test_long_path_with_groups_split_across_micro_batches(recipe_dir, plain_step):
-    """A token budget the groups do not fit in (micro_batch_tokens 700): group `a` shares its prompt in two units of
-    2, group `b` in one of 3 and b2 (the longest) trains whole; still the plain path's numbers."""
+    """A token budget the groups do not fit in (micro_batch_tokens 700; a shared prompt longer than half of it counts
+    as half): group `a` shares its prompt in a unit of 3 and its longest trains whole, likewise group `b`; still the
+    plain path's numbers."""
     batch, ref = plain_step
     got = train_step(make_learner(recipe_dir, SEG, True, micro_batch_tokens=700, kl_coef=0.05), batch)
-    assert [(u.prefix_len, u.mb.num_seqs) for u in got["units"]] == [(384, 2), (384, 2), (300, 3), (0, 1)]
+    assert [(u.prefix_len, u.mb.num_seqs) for u in got["units"]] == [(385, 3), (300, 3), (0, 1), (0, 1)]
     assert_rows_close(got["logprobs"], ref["logprobs"])
     assert_rows_close(got["ref_logprobs"], ref["ref_logprobs"])
     for key in ("loss", "kl_ref", "tis_weight", "mismatch_kl", "grad_norm"):
@@ -267,7 +266,7 @@ def test_engine_logprobs_with_state_reuse_equal_a_full_forward(recipe_dir, atten
     learner = make_learner(recipe_dir, SEG, True)
     assert_rows_close(learner.score(trajectories), recorded)
     step = train_step(learner, trajectories)
-    assert [u.prefix_len for u in step["units"]] == [300, 229]
+    assert [u.prefix_len for u in step["units"]] == [301, 230]
     assert_rows_close(step["logprobs"], recorded)
     for got, mu in zip(step["logprobs"], recorded):
         np.testing.assert_allclose(np.float32(mu), got, rtol=2.0**-24, atol=0)
@@ -308,7 +307,7 @@ def test_two_versions_in_one_trajectory_weigh_each_token_by_its_own_behaviour(no
     hand = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     step = train_step(learner, trajectories)
-    assert [u.prefix_len for u in step["units"]] == [149]
+    assert [u.prefix_len for u in step["units"]] == [150]
     assert_rows_close(step["logprobs"], logprobs)
     w = np.concatenate(weights)
     v0 = np.concatenate([t.versions[t.loss_mask == 1] == 0 for t in trajectories])
@@ -376,7 +375,11 @@ def test_partial_rollout_of_the_needle_task_through_the_worker(k3_dir, monkeypat
             versions.append(t.versions[rows])
 
     step = train_step(learner, trajectories)
-    assert sorted(u.prefix_len for u in step["units"]) == sorted({t.prompt_len - 1 for t in trajectories})
+    # the two needle prompts (615 and 785 tokens) share their first 267 across tasks: one tree holds that span, each
+    # prompt's rest and the first turns under it; the budget leaves two members of the shorter prompt to a second tree
+    trees = [[(n.parent, n.start, tuple(n.ids.shape)) for n in u.tree.nodes] for u in step["units"]]
+    assert trees == [[(-1, 0, (1, 267)), (0, 267, (1, 518)), (1, 785, (4, 131)), (0, 267, (1, 348)), (3, 615, (2, 131))],
+                     [(-1, 0, (1, 615)), (0, 615, (2, 131))]]
     assert_rows_close(step["logprobs"], expected)
     d = np.concatenate(expected) - np.concatenate(behaviour)  # log π/μ per token
     old = np.concatenate(versions) == 0

@@ -1,16 +1,18 @@
-"""A learner step on a group of compacted episodes, with and without prefix sharing (`learner.share_prefix`).
+"""A learner step on a group of compacted episodes, with and without prefix-tree training (`learner.share_prefix`).
 
 A compacted episode (rollout/agent_loop.py `Compaction`) is several sequences that all start with the episode's
-opening prompt [system, task]; a group's episodes share that prompt too. So a group of `--episodes` episodes of
-`--sequences` sequences each is `episodes × sequences` rows whose first `--prompt` tokens are one and the same
-(no loss row among them), each followed by `--tail` tokens of its own (a summary or the context after it, then
-sampled turns: loss rows). With sharing the learner computes the prompt once and branches the rows from its state
-(rl/train/units.py `make_units`, rl/train/segments.py); without, every row computes it again. Tokens computed are
-counted from the units the learner builds; the step time is the median of `--reps` GRPO steps (fp32, AdamW) after
-a warm-up, both settings in this process on the quickstart's tiny hybrid K3 (random weights); the first
-step's gradient norm is printed for both (equal up to rounding: tests/rl/test_segments.py checks every gradient).
+opening prompt [system, task]; a group's episodes share that prompt too, and samples of one policy often take the
+same first turn. So a group of `--episodes` episodes of `--sequences` sequences each is `episodes × sequences` rows
+whose first `--prompt` tokens are one and the same (no loss row among them); the first sequence of each episode
+goes on with a sampled first turn of `--first-turn` tokens, the same one in the first `--agree` episodes (loss rows
+inside a shared span), each restart with a summary of that many tokens of its own; then every row has `--tail`
+tokens of its own (the second half sampled). With the tree the learner computes every shared span once and branches
+from its state (rl/train/prefix_tree.py, rl/train/segments.py); without, every row computes it all again. Tokens
+computed are counted from the units the learner builds; the step time is the median of `--reps` GRPO steps (fp32,
+AdamW) after a warm-up, both settings in this process on the quickstart's tiny hybrid K3 (random weights); the first
+step's gradient norm is printed for both (equal up to rounding: tests/rl/test_prefix_tree.py checks every gradient).
 
-    python bench/compacted_group.py                     # 8 episodes × 2 sequences, 1024-token prompt, 192-token tails
+    python bench/compacted_group.py       # 8 episodes × 2 sequences, 1024-token prompt, 64-token first turn, 192 tails
 """
 
 from __future__ import annotations
@@ -29,20 +31,23 @@ sys.path.insert(0, str(ROOT))
 from long_prefill import tiny_config  # noqa: E402  (bench/, this script's directory)
 
 
-def group(episodes: int, sequences: int, prompt: int, tail: int, vocab: int):
-    """The group's trajectories: one shared prompt, a tail of its own per sequence (its last half sampled)."""
+def group(episodes: int, sequences: int, prompt: int, first_turn: int, agree: int, tail: int, vocab: int):
+    """The group's trajectories (see the module docstring)."""
     import numpy as np
 
     from k3rl.rollout.trajectory import Trajectory
 
     rng = np.random.default_rng(0)
-    opening = rng.integers(3, vocab, prompt)
+    opening, first = rng.integers(3, vocab, prompt), rng.integers(3, vocab, first_turn)
     out = []
     for e in range(episodes):
-        for _ in range(sequences):
-            tokens = np.concatenate([opening, rng.integers(3, vocab, tail)]).astype(np.int32)
+        for s in range(sequences):
+            turn = first if s == 0 and e < agree else rng.integers(3, vocab, first_turn)
+            tokens = np.concatenate([opening, turn, rng.integers(3, vocab, tail)]).astype(np.int32)
             mask = np.zeros(len(tokens), dtype=np.uint8)
-            mask[prompt + tail // 2:] = 1
+            if s == 0:  # the first turn was sampled; a restart's summary is context
+                mask[prompt:prompt + first_turn] = 1
+            mask[prompt + first_turn + tail // 2:] = 1
             logprobs = np.where(mask == 1, -rng.random(len(tokens)), 0.0).astype(np.float32)
             out.append(Trajectory(tokens=tokens, loss_mask=mask, logprobs=logprobs,
                                   versions=np.where(mask == 1, 0, -1).astype(np.int32),
@@ -52,7 +57,7 @@ def group(episodes: int, sequences: int, prompt: int, tail: int, vocab: int):
 
 
 def computed_tokens(learner, trajectories) -> int:
-    """Positions the learner's units compute: a shared prefix once, every row's own positions."""
+    """Positions the learner's units compute: each shared span once, every row's own positions."""
     from k3rl.rl.train.batching import to_train_sequence
     from k3rl.rl.train.learner import compute_advantages
     from k3rl.rl.train.units import make_units
@@ -60,7 +65,7 @@ def computed_tokens(learner, trajectories) -> int:
     advantages = compute_advantages(learner.algo, trajectories)
     seqs = [to_train_sequence(t, a) for t, a in zip(trajectories, advantages)]
     units = make_units(seqs, learner.cfg, learner.policy, learner.device, None, learner.cfg.share_prefix)
-    return sum(u.prefix_len + int(u.mb.valid.sum()) for u in units)
+    return sum(u.computed_tokens for u in units)
 
 
 def main(argv=None) -> int:
@@ -68,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--sequences", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--first-turn", type=int, default=64)
+    ap.add_argument("--agree", type=int, default=4)
     ap.add_argument("--tail", type=int, default=192)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -77,9 +84,10 @@ def main(argv=None) -> int:
     from k3rl.model.modeling import K3ForCausalLM
     from k3rl.rl.train.learner import Learner, LearnerConfig
 
-    length = args.prompt + args.tail
+    length = args.prompt + args.first_turn + args.tail
     config = tiny_config(length, kda_only=False)
-    trajectories = group(args.episodes, args.sequences, args.prompt, args.tail, config.vocab_size)
+    trajectories = group(args.episodes, args.sequences, args.prompt, args.first_turn, args.agree, args.tail,
+                         config.vocab_size)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -96,8 +104,9 @@ def main(argv=None) -> int:
                 times.append(time.perf_counter() - started)
             rows.append((share, tokens, statistics.median(times), float(first["grad_norm"])))
     print(f"load {os.getloadavg()[0]:.2f}; {args.episodes} episodes × {args.sequences} sequences, a {args.prompt}-token "
-          f"shared prompt + {args.tail}-token tails; tiny hybrid K3, fp32, median of {args.reps} steps")
-    print("| prefix sharing | tokens computed | step s | tokens vs without | step time vs without | first grad norm |\n"
+          f"shared prompt, a {args.first_turn}-token first turn ({args.agree} episodes agree), {args.tail}-token tails; "
+          f"tiny hybrid K3, fp32, median of {args.reps} steps")
+    print("| prefix tree | tokens computed | step s | tokens vs without | step time vs without | first grad norm |\n"
           "|---|---|---|---|---|---|")
     (_, t0, s0, _), _ = rows
     for share, tokens, seconds, norm in rows:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import torch

@@ -94,9 +94,10 @@ class LearnerSettings:
     state at each boundary, the backward recomputes one segment at a time (rl/train/segments.py): activation memory of
     one segment, same loss and gradients, one more forward. null: whole sequences."""
     share_prefix: bool = True
-    """The samples of a group share their prompt: forward and backward it once and branch from its state (K3: the
-    hybrid cache, the prompt's tokens counted once in the router statistics; other models: their KV cache;
-    rl/train/segments.py)."""
+    """Sequences that start alike (a group's prompt, first turns its samples agree on, the restarts of a compacted
+    episode, a system prompt shared across tasks) train as prefix trees: every shared span forward and backward once,
+    branched from its state (K3: the hybrid cache, a span's tokens counted once in the router statistics; other
+    models: their KV cache; rl/train/prefix_tree.py). Same loss and gradients as the sequences apart."""
     expert_parallel: int = 1
     """K3: split the routed experts of every MoE layer across this many learner ranks (all-to-all token dispatch,
     rl/train/expert_parallel.py); the ranks form data-parallel replicas of `expert_parallel` ranks each, so the number of

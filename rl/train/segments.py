@@ -1,5 +1,5 @@
-"""Segment-recurrent training and group prefix sharing: forward and backward of long sequences, and of a group's
-shared prompt, through the K3 model's own recurrence (docs/model_spec.md §5.6, §6; model/cache.py).
+"""Segment-recurrent training and prefix trees: forward and backward of long sequences, and of prefix trees of
+sequences (rl/train/prefix_tree.py), through the K3 model's own recurrence (docs/model_spec.md §5.6, §6; model/cache.py).
 
 A K3 sequence's past is small: per KDA layer a conv window and a recurrent state [H, K, V], per MLA layer the
 latent of every earlier token (Lkv + dr values). So a long sequence trains a segment at a time:

@@ -3,8 +3,8 @@ as units (rl/train/segments.py `Unit`).
 
 A packed sequence (several documents) longer than a segment is cut into its documents (`pieces`), since segments run
 one document per row; micro-batches hold whole pieces within `micro_batch_tokens`, longest first, packed pieces apart
-from the rest (`pack`); with prefix sharing, the samples of a group that share their prompt form one unit whose
-prompt is computed once, the others are packed whole (`make_units`). Under a mesh, a rank with fewer units than the
+from the rest (`pack`); with prefix sharing, sequences that start alike form prefix trees whose shared spans are
+computed once (rl/train/prefix_tree.py), the others are packed whole (`make_units`). Under a mesh, a rank with fewer units than the
 busiest runs idle passes (`idle_pass`), since every forward and backward of a sharded model holds collectives.
 """
 

@@ -1,5 +1,5 @@
 """The long path on the long-context recipe's own trajectory shapes, in float64: segments (rl/train/segments.py),
-group prefix sharing, the engine's state reuse across turns and segmented prefill (rollout/torch_engine.py), and
+prefix-tree training, the engine's state reuse across turns and segmented prefill (rollout/torch_engine.py), and
 trajectories whose turns two policy versions sampled (partial rollouts), against the plain path.
 
 The model is the recipe's: configs/rl/quickstart.yaml's tiny K3 (3 KDA + 1 gated MLA, hidden 128, MoE, vocabulary

@@ -76,7 +76,7 @@ def check_learner_settings(s: Any) -> None:
             raise ValueError(f"segment_tokens: must be null with {what} (a segmented sequence runs a number of "
                              f"passes that depends on its length)")
         if s.share_prefix:
-            raise ValueError(f"share_prefix: must be false with {what} (a shared prompt is an extra forward)")
+            raise ValueError(f"share_prefix: must be false with {what} (a prefix tree runs more forwards than its micro-batch)")
 
 
 def check_learner(cfg: Any) -> None:

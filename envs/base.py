@@ -14,9 +14,14 @@ the assistant's text, parses and runs its tool call, and returns the observation
 token-level agent loop in ``rollout/`` calls exactly this, ``run_episode`` is the
 string-level driver used by tests, oracles and evaluation.
 
-Budgets (turns, tool calls, observation tokens, seconds per tool call) end an episode
-with a named truncation reason; the environment never sees tokens except through the
+Budgets (turns, tool calls, observation tokens, seconds per tool call, image patches) end an
+episode with a named truncation reason; the environment never sees tokens except through the
 optional ``count_tokens`` callable used for the observation budget.
+
+Images: ``reset`` and tools may return an image or a list of text and images (envs/media.py).
+An episode whose model reads images (``image_patch``, the model's patch size) checks each one,
+fits it to whole patches and keeps it in the message's content as an ``ImagePart``; a bad image,
+or any image for a model without image input, becomes a named ``Error:`` observation.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from k3rl.envs import media
 from k3rl.envs import tools as T
 from k3rl.envs.tool_exec import execute
 
@@ -37,7 +43,7 @@ assistant's next text. Not model/policy.py's `Policy`, which is a loaded model."
 FINISH_ANSWERED = "answered"
 FINISH_NO_CALL = "no_tool_call"
 # Truncations raised by the budget; ``Episode.truncate`` may add others (e.g. a context limit).
-TRUNCATIONS = ("max_turns", "max_tool_calls", "max_observation_tokens")
+TRUNCATIONS = ("max_turns", "max_tool_calls", "max_observation_tokens", "max_image_patches")
 
 
 def approx_token_count(text: str) -> int:
@@ -96,6 +102,12 @@ class Budget:
     """One observation longer than this is clipped, with a note saying so."""
     tool_timeout_s: float | None = 30.0
     """Wall time for one tool call; a slower call returns a timeout error observation."""
+    max_image_pixels: int | None = 1 << 22
+    """Pixels of one image before fitting (4M); a larger one is the error observation ``too_many_pixels``."""
+    max_images_per_turn: int | None = 8
+    """Images of one observation; the rest are left out with a note (error kind ``max_images_per_turn``)."""
+    max_image_patches: int | None = 16384
+    """Image patches over the episode; the image that would pass it is left out and the episode is truncated."""
 
 
 class Env:
@@ -193,8 +205,12 @@ class EpisodeResult:
 class Episode:
     """One episode of ``env`` on ``task``: messages, budgets and counters."""
 
-    def __init__(self, env: Env, task: Any, budget: Budget | None = None, count_tokens: Callable[[str], int] | None = None):
+    def __init__(self, env: Env, task: Any, budget: Budget | None = None, count_tokens: Callable[[str], int] | None = None,
+                 image_patch: int | None = None):
         self.env = env
+        self.image_patch = image_patch
+        """The model's patch size in pixels, or None: the model reads no images (envs/media.py)."""
+        self.image_patches = 0
         self.task = task
         self.budget = budget or env.budget
         self.count_tokens = count_tokens or approx_token_count
@@ -210,10 +226,11 @@ class Episode:
         self._metrics: dict[str, Any] | None = None
         prompt = env.reset(task)
         system = env.system_message()
-        if isinstance(prompt, str):
-            self.messages: list[Message] = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+        if isinstance(prompt, str) or media.content_parts(prompt) is not None:
+            self.messages: list[Message] = [{"role": "system", "content": system},
+                                            {"role": "user", "content": self._prompt_content(prompt)}]
         else:
-            msgs = [dict(m) for m in prompt]
+            msgs = [{**m, "content": self._prompt_content(m.get("content"))} for m in prompt]
             if msgs and msgs[0].get("role") == "system":
                 msgs[0]["content"] = system + "\n\n" + msgs[0]["content"]
             else:
@@ -268,7 +285,61 @@ class Episode:
             self._finish("max_turns")
         return self._observe(call, obs)
 
+    def _prompt_content(self, content: Any) -> Any:
+        """A prompt's content with its images checked and fitted; a bad one raises `ImageError` (a task the
+        environment built wrong, not something the model did)."""
+        parts = media.content_parts(content)
+        if parts is None:
+            return content
+        out, note = self._media_parts(parts)
+        if note is not None:
+            raise media.ImageError(note[0], f"{type(self.env).__name__}.reset: {note[1]}")
+        return out
+
+    def _media_parts(self, parts: list[Any]) -> tuple[list[Any], tuple[str, str] | None]:
+        """Content parts with every image checked, fitted and counted against the image budgets → (parts,
+        (kind, message) of the first problem or None). A bad image makes the whole observation an error; images
+        over the per-turn limit are left out; an image over the episode's patch budget ends the episode."""
+        b = self.budget
+        if self.image_patch is None:
+            return [], ("no_image_input", "the model reads no images, and this result holds one")
+        out: list[Any] = []
+        shown = added = 0
+        for i, part in enumerate(parts):
+            if not media.is_image(part):
+                out.append(part if isinstance(part, str) else T.result_text(part))
+                continue
+            try:
+                checked = media.check_image(part, b.max_image_pixels)
+            except media.ImageError as exc:
+                return [], (exc.kind, f"image {i + 1} of the result: {exc}")
+            if b.max_images_per_turn is not None and shown >= b.max_images_per_turn:
+                left = sum(1 for p in parts[i:] if media.is_image(p))
+                out.append(f"\n[{left} more images not shown: at most {b.max_images_per_turn} per result]")
+                self.errors_by_kind["max_images_per_turn"] = self.errors_by_kind.get("max_images_per_turn", 0) + 1
+                break
+            fitted = media.fit_to_patches(checked, self.image_patch)
+            n = media.num_patches(fitted, self.image_patch)
+            if b.max_image_patches is not None and self.image_patches + added + n > b.max_image_patches:
+                out.append(f"\n[image budget of {b.max_image_patches} patches reached; the rest is not shown]")
+                self._finish("max_image_patches")
+                break
+            added += n
+            shown += 1
+            out.append(media.ImagePart(fitted, (checked.shape[1], checked.shape[0])))
+        self.image_patches += added  # counted once the whole result is shown
+        return out, None
+
     def _observe(self, call: T.ToolCall | T.ParseError, obs: T.Observation) -> Step:
+        parts = media.content_parts(obs.value) if obs.ok else None
+        if parts is not None:
+            parts, problem = self._media_parts(parts)
+            if problem is not None:
+                obs = T.Observation(f"Error: {problem[1]}.", False, problem[0])
+            elif any(isinstance(p, media.ImagePart) for p in parts):
+                return self._observe_media(call, parts)
+            else:
+                obs = T.Observation("".join(parts), True, None, obs.value)
         text = obs.text
         b = self.budget
         if not obs.ok:
@@ -287,6 +358,21 @@ class Episode:
         name = call.name if isinstance(call, T.ToolCall) else None
         self.messages.append({"role": "tool", "name": name, "content": text})
         return Step(call, text, obs.ok, self.done, self.finish_reason)
+
+    def _observe_media(self, call: T.ToolCall | T.ParseError, parts: list[Any]) -> Step:
+        """A result with images: its text parts count against the observation tokens (not clipped here: they
+        sit between images), its images were counted by `_media_parts`."""
+        b = self.budget
+        n = sum(self.count_tokens(p) for p in parts if isinstance(p, str))
+        if b.max_observation_tokens is not None and self.observation_tokens + n > b.max_observation_tokens:
+            parts = [p for p in parts if not isinstance(p, str)]
+            n = 0
+            if not self.done:
+                self._finish("max_observation_tokens")
+        self.observation_tokens += n
+        name = call.name if isinstance(call, T.ToolCall) else None
+        self.messages.append({"role": "tool", "name": name, "content": parts})
+        return Step(call, media.message_text(parts), True, self.done, self.finish_reason)
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
@@ -318,6 +404,7 @@ class Episode:
             "calls_by_name": dict(self.calls_by_name),
             "errors_by_kind": dict(self.errors_by_kind),
             "observation_tokens": self.observation_tokens,
+            "image_patches": self.image_patches,
             "tool_seconds": self.tool_seconds,
             **(self._metrics or {}),
         }

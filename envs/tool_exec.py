@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from k3rl.envs.media import content_parts, is_image
 from k3rl.envs.tools import TOOL_CALL_END, TOOL_CALL_START, Observation, ParseError, ToolCall, ToolError, ToolSpec, json_type
 
 
@@ -150,6 +151,9 @@ def result_text(value: Any) -> str:
         return "ok"
     if isinstance(value, str):
         return value
+    parts = content_parts(value)
+    if parts is not None:  # images: their text parts here; the episode shows the images (envs/base.py)
+        return "".join("[image]" if is_image(p) else result_text(p) for p in parts)
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, ensure_ascii=False, default=str)
     return str(value)

@@ -26,13 +26,26 @@ tool protocol's own added tokens (`<tool_call>`, `</tool_response>`, …) are br
 passage cannot close the tool message or forge a call (the system message, written by the
 environment, keeps them: it shows the model the call syntax). Text without such strings is
 unchanged, token for token.
+
+Images (envs/media.py `ImagePart`, in a message's content beside text parts) render as the K3 layout's media run
+(docs/K3_SPEC.md §9, vLLM's `kimi_k3` processor):
+
+    <|media_begin|> "image {W}x{H}" <|media_content|> <|media_pad|> × (H'/p)·(W'/p) <|media_end|>
+
+W×H the image's original size, H'×W' its fitted size, p the model's patch size (`image_patch`); the model writes each
+patch's embedding at its `<|media_pad|>` (model/vision.py), so the pixels travel beside the ids, in the order of
+their runs (`images_of`). The template sees a per-renderer random marker where each image goes, which no untrusted
+text can forge; a tokenizer without these tokens, or a renderer without a patch size, refuses images by name.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
+
+from k3rl.envs.media import ImagePart, num_patches
 
 _SENTINEL = "\x00K3RL-SENTINEL\x00"
 WORD_JOINER = "\u2060"
@@ -63,14 +76,26 @@ def neutralize(text: str, pattern: re.Pattern | None) -> tuple[str, int]:
     return pattern.subn(lambda m: m.group(0)[0] + WORD_JOINER + m.group(0)[1:], text)
 
 
+MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
+
+
+def images_of(messages: Sequence[dict[str, Any]]) -> list[ImagePart]:
+    """The images of `messages` in the order the renderer places their media runs."""
+    return [part for m in messages if isinstance(m.get("content"), list) for part in m["content"]
+            if isinstance(part, ImagePart)]
+
+
 class ChatRenderer:
     """Renders prompts and tool observations of one tokenizer into token ids."""
 
-    def __init__(self, tokenizer, tool_role: str = "tool"):
+    def __init__(self, tokenizer, tool_role: str = "tool", image_patch: int | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template; rollouts need one")
         self.tokenizer = tokenizer
         self.tool_role = tool_role
+        self.image_patch = image_patch
+        """The model's patch size in pixels (model config `image_patch_size`), or None: no images."""
+        self._mark = f"\x00k3rl-image-{uuid.uuid4().hex}\x00"
         self.eos_token_id = tokenizer.eos_token_id
         from k3rl.envs.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START
 
@@ -89,9 +114,37 @@ class ChatRenderer:
         by a word joiner (see module docstring)."""
         return neutralize(text, self._added if tool_result else self._specials)[0]
 
-    def encode(self, text: str) -> list[int]:
-        """Tokens of already-rendered text (template output), control strings active."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, text: str, images: Sequence[ImagePart] = ()) -> list[int]:
+        """Tokens of already-rendered text (template output), control strings active; each image marker becomes
+        the media run of the next of `images`."""
+        pieces = text.split(self._mark)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"{len(pieces) - 1} image markers in the rendered text for {len(images)} images")
+        ids = self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        for image, piece in zip(images, pieces[1:]):
+            ids = ids + self.media_tokens(image) + self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def media_tokens(self, image: ImagePart) -> list[int]:
+        """One image's media run (module docstring)."""
+        if self.image_patch is None:
+            raise ValueError("an image in a message, but this renderer has no image_patch (the model reads no images)")
+        begin, content, pad, end = self._media_ids()
+        header = self.tokenizer(f"image {image.size[0]}x{image.size[1]}", add_special_tokens=False)["input_ids"]
+        return [begin, *header, content, *[pad] * num_patches(image.pixels, self.image_patch), end]
+
+    def _media_ids(self) -> list[int]:
+        ids = self.tokenizer.convert_tokens_to_ids(list(MEDIA_TOKENS))
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        missing = [t for t, i in zip(MEDIA_TOKENS, ids) if i is None or (unk is not None and i == unk)]
+        if missing:
+            raise ValueError(f"tokenizer {type(self.tokenizer).__name__} has no media tokens {missing}: it cannot "
+                             "show images")
+        return ids
+
+    def _with_marks(self, content: list, tool_result: bool = False) -> str:
+        """Content parts as template text: text sanitized, each image as this renderer's marker."""
+        return "".join(self._mark if isinstance(p, ImagePart) else self.sanitize(p, tool_result) for p in content)
 
     def encode_text(self, text: str, tool_result: bool = False) -> list[int]:
         """Tokens of untrusted text (an assistant turn written by a teacher; a tool result when counting
@@ -100,7 +153,9 @@ class ChatRenderer:
 
     def _clean(self, message: dict) -> dict:
         content = message.get("content")
-        if isinstance(content, list):  # multimodal parts: sanitize the text parts
+        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+            content = self._with_marks(content)
+        elif isinstance(content, list):  # multimodal parts: sanitize the text parts
             content = [{**part, "text": self.sanitize(part["text"])} if isinstance(part, dict) and "text" in part
                        else part for part in content]
         else:
@@ -111,11 +166,11 @@ class ChatRenderer:
         """Tokens of the opening messages followed by the assistant generation prompt."""
         if not messages:
             raise ValueError("a prompt needs at least one message")
-        return self.encode(self._template([self._clean(m) for m in messages], True))
+        return self.encode(self._template([self._clean(m) for m in messages], True), images_of(messages))
 
-    def observation_tokens(self, observation: str, turn_ended_with_eos: bool) -> list[int]:
-        """Tokens that follow a sampled assistant turn: its closing, one tool message, the next
-        generation prompt."""
+    def observation_tokens(self, observation: str | list, turn_ended_with_eos: bool) -> list[int]:
+        """Tokens that follow a sampled assistant turn: its closing, one tool message (text, or content parts
+        with images), the next generation prompt."""
         return self.continuation_tokens([{"role": self.tool_role, "content": observation}], turn_ended_with_eos)
 
     def user_tokens(self, text: str, turn_ended_with_eos: bool) -> list[int]:
@@ -125,7 +180,8 @@ class ChatRenderer:
     def _tool_message(self, message: dict) -> dict:
         """A tool message as the model reads it: untrusted text sanitized as a tool result, wrapped in
         <tool_response> unless the template wraps it itself."""
-        text = self.sanitize(message["content"], tool_result=True)
+        content = message["content"]
+        text = self._with_marks(content, True) if isinstance(content, list) else self.sanitize(content, True)
         content = text if self._template_wraps else f"{self._wrap[0]}\n{text}\n{self._wrap[1]}"
         return {"role": self.tool_role, "content": content}
 
@@ -138,7 +194,7 @@ class ChatRenderer:
         Assistant turns are rendered from their text here, so their tokens need not be the ones once sampled."""
         if not messages:
             raise ValueError("a prompt needs at least one message")
-        return self.encode(self._template([self._prepared(m) for m in messages], True))
+        return self.encode(self._template([self._prepared(m) for m in messages], True), images_of(messages))
 
     def continuation_tokens(self, messages: list[dict], turn_ended_with_eos: bool) -> list[int]:
         """Tokens that follow a sampled assistant turn: its closing, `messages` (tool results and user
@@ -149,7 +205,7 @@ class ChatRenderer:
         eos = self.tokenizer.eos_token
         if turn_ended_with_eos and eos and delta.startswith(eos):
             delta = delta[len(eos):]
-        return self.encode(delta)
+        return self.encode(delta, images_of(messages))
 
 
 def render_transcript(renderer: ChatRenderer, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int], list[int]]:

@@ -13,6 +13,9 @@ arrays are read-only zero-copy views of the Arrow buffers, as `ray.get` gives. A
 with routing [N, 3, 2] a save or a load takes a fraction of a second. The columns keep the names and
 types `datasets` gave them (`load_dataset("parquet", …)` reads the files; files written by
 `datasets` load here). Imports without torch, Ray or vLLM.
+
+Images (envs/media.py) travel beside the tokens: their fitted RGB pixels in the order of their media runs
+(rollout/chat.py), one flat uint8 array with each image's (H, W) — two list columns, bit-exact through Parquet.
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ class Trajectory:
     """[N] int32 positions restarting at 0 at each packed document (pretraining rows, rl/pretrain/packing.py): each
     document is computed as if alone; None: one sequence, positions 0 … N−1. Not a Parquet column: packed rows
     are rebuilt from the data order, never stored."""
+    images: np.ndarray | None = None
+    """[Σ H·W·3] uint8: the pixels of every image the episode showed (fitted, RGB, row-major), in the order of their
+    media runs in `tokens`, concatenated; None: no image."""
+    image_shapes: np.ndarray | None = None
+    """[n, 2] int32 (H, W) of each image of `images`."""
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -71,6 +79,23 @@ class Trajectory:
             raise ValueError(f"Trajectory.routed_experts has {len(self.routed_experts)} rows for {n} tokens")
         if self.position_ids is not None and len(self.position_ids) != n:
             raise ValueError(f"Trajectory.position_ids has {len(self.position_ids)} entries for {n} tokens")
+        if (self.images is None) != (self.image_shapes is None):
+            raise ValueError("Trajectory.images and Trajectory.image_shapes come together")
+        if self.images is not None:
+            shapes = np.asarray(self.image_shapes).reshape(-1, 2)
+            if int((shapes[:, 0].astype(np.int64) * shapes[:, 1] * 3).sum()) != self.images.size:
+                raise ValueError(f"Trajectory.images has {self.images.size} values for image shapes "
+                                 f"{shapes.tolist()}")
+
+    def pixels(self) -> list[np.ndarray]:
+        """Each image as a [H, W, 3] uint8 view of `images`, in media-run order."""
+        if self.images is None:
+            return []
+        out, at = [], 0
+        for h, w in np.asarray(self.image_shapes).reshape(-1, 2).tolist():
+            out.append(self.images[at:at + h * w * 3].reshape(h, w, 3))
+            at += h * w * 3
+        return out
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -94,6 +119,7 @@ class Trajectory:
             "finish_reason": self.finish_reason, "episode_id": self.episode_id,
             "routed_experts": None if self.routed_experts is None else self.routed_experts.reshape(-1),
             "routed_shape": None if self.routed_experts is None else list(self.routed_experts.shape[1:]),
+            "images": self.images, "image_shapes": None if self.image_shapes is None else self.image_shapes.reshape(-1),
         }
         return row
 
@@ -102,6 +128,7 @@ class Trajectory:
         routed = row.get("routed_experts")
         if routed is not None:
             routed = np.asarray(routed, dtype=np.int16).reshape(-1, *row["routed_shape"])
+        images, shapes = row.get("images"), row.get("image_shapes")
         return cls(
             tokens=np.asarray(row["tokens"], dtype=np.int32), loss_mask=np.asarray(row["loss_mask"], dtype=np.uint8),
             logprobs=np.asarray(row["logprobs"], dtype=np.float32), versions=np.asarray(row["versions"], dtype=np.int32),
@@ -109,6 +136,8 @@ class Trajectory:
             reward=float(row["reward"]), rewards=json.loads(row["rewards"]), metrics=json.loads(row["metrics"]),
             info=json.loads(row["info"]), env=row["env"], task_id=row["task_id"], group_id=row["group_id"],
             finish_reason=row["finish_reason"], episode_id=row.get("episode_id") or "", routed_experts=routed,
+            images=None if images is None else np.asarray(images, dtype=np.uint8),
+            image_shapes=None if shapes is None else np.asarray(shapes, dtype=np.int32).reshape(-1, 2),
         )
 
 
@@ -133,6 +162,7 @@ class TrajectoryBuilder:
         self._versions: list[np.ndarray] = []
         self._spans: list[tuple[int, int]] = []
         self._routed: list[tuple[int, np.ndarray]] = []
+        self._images: list[np.ndarray] = []
         self.length = 0
         self.prompt_len = len(prompt_tokens)
         self.append_context(prompt_tokens)
@@ -161,6 +191,15 @@ class TrajectoryBuilder:
         self._spans.append((self.length, self.length + n))
         self.length += n
 
+    def append_images(self, pixels: list[np.ndarray]) -> None:
+        """The pixels [H, W, 3] uint8 of the images whose media runs the tokens just appended hold, in order."""
+        for p in pixels:
+            p = np.asarray(p)
+            if p.dtype != np.uint8 or p.ndim != 3 or p.shape[2] != 3:
+                raise ValueError(f"an image must be [H, W, 3] uint8 (envs/media.py check_image), got {p.dtype} "
+                                 f"{list(p.shape)}")
+            self._images.append(p)
+
     @property
     def num_sampled(self) -> int:
         return sum(end - start for start, end in self._spans)
@@ -182,11 +221,15 @@ class TrajectoryBuilder:
             routed = np.full((self.length, *shape), -1, dtype=np.int16)
             for start, ids in self._routed:
                 routed[start:start + len(ids)] = ids
+        images = shapes = None
+        if self._images:
+            images = np.concatenate([p.reshape(-1) for p in self._images])
+            shapes = np.asarray([p.shape[:2] for p in self._images], dtype=np.int32)
         return Trajectory(
             tokens=np.concatenate(self._tokens), loss_mask=np.concatenate(self._mask),
             logprobs=np.concatenate(self._logprobs), versions=np.concatenate(self._versions),
             turn_spans=np.asarray(self._spans, dtype=np.int32).reshape(-1, 2), prompt_len=self.prompt_len,
-            routed_experts=routed, **fields)
+            routed_experts=routed, images=images, image_shapes=shapes, **fields)
 
 
 _COLUMNS = {"tokens": ("int32", True), "loss_mask": ("uint8", True), "logprobs": ("float32", True),
@@ -195,7 +238,7 @@ _COLUMNS = {"tokens": ("int32", True), "loss_mask": ("uint8", True), "logprobs":
             "info": ("string", False), "env": ("string", False), "task_id": ("string", False),
             "group_id": ("string", False), "finish_reason": ("string", False), "episode_id": ("string", False),
             "routed_experts": ("int16", True),
-            "routed_shape": ("int64", True)}
+            "routed_shape": ("int64", True), "images": ("uint8", True), "image_shapes": ("int32", True)}
 """Parquet columns of `Trajectory.to_row` in `datasets`' order: element type, and whether a list (flattened array)."""
 _ROW_GROUP_VALUES = 2**23
 """Trajectories go into row groups of up to this many array elements (more only for a single trajectory):
@@ -235,6 +278,7 @@ def _row_groups(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
     groups, size = [], 0
     for t in trajectories:
         n = 4 * len(t) + t.turn_spans.size + (0 if t.routed_experts is None else t.routed_experts.size)
+        n += 0 if t.images is None else t.images.size // 8  # a byte each, not 10–20 bytes of a list element
         if not groups or size + n > _ROW_GROUP_VALUES:
             groups.append([])
             size = 0

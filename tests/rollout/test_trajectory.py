@@ -165,7 +165,12 @@ def test_files_of_datasets_load_and_datasets_reads_ours(tmp_path):
     new = save_trajectories(trajs, tmp_path / "new.parquet")
     ours = load_dataset("parquet", data_files=str(new), split="train", cache_dir=str(tmp_path / "cache"))
     theirs = load_dataset("parquet", data_files=str(old), split="train", cache_dir=str(tmp_path / "cache"))
-    assert ours.features == theirs.features and ours.to_list() == theirs.to_list()
+    # `datasets` types an all-null column `null`; ours are typed lists (images: none in these rows)
+    images = ("images", "image_shapes")
+    assert ({k: v for k, v in ours.features.items() if k not in images}
+            == {k: v for k, v in theirs.features.items() if k not in images})
+    assert all(str(ours.features[k]).startswith("List") for k in images)
+    assert ours.remove_columns(list(images)).to_list() == theirs.remove_columns(list(images)).to_list()
     assert save_trajectories([], tmp_path / "empty.parquet") and load_trajectories(tmp_path / "empty.parquet") == []
 
 
@@ -212,3 +217,55 @@ def test_an_episodes_sequences_count_once_in_their_group():
     np.testing.assert_allclose(got, [want[0], want[1], want[0], want[2], want[0], 0.0], atol=1e-6)
     with pytest.raises(ValueError, match="episode 'a' of group 'g': its sequences carry different rewards"):
         compute_advantages(algo, batch[:2] + [seq("g", "a", 0.5)])
+
+
+def with_images(seed=0) -> Trajectory:
+    """`build()` whose prompt and tool output each showed images (fitted RGB pixels beside the tokens)."""
+    rng = np.random.default_rng(seed)
+    b = TrajectoryBuilder([1, 2, 3])
+    b.append_images([rng.integers(0, 256, (28, 14, 3), dtype=np.uint8)])
+    b.append_sampled([10, 11], [-0.5, -1.5], version=4)
+    b.append_context([7, 8, 9])
+    b.append_images([rng.integers(0, 256, (14, 42, 3), dtype=np.uint8), np.zeros((14, 14, 3), dtype=np.uint8)])
+    b.append_sampled([12], [-0.25], version=5)
+    return b.finish(reward=1.0, group_id="g0", task_id="t0")
+
+
+def test_images_round_trip_bit_exact(tmp_path, warm):
+    """Pixels beside the tokens: Parquet (text-only and image trajectories in one file), the buffer's checkpoint,
+    and pickling keep every byte; no per-pixel Python objects."""
+    from k3rl.rl import checkpoint as ckpt
+    from k3rl.rl.orchestrator.buffer import TrajectoryBuffer
+
+    t = with_images()
+    assert [p.shape for p in t.pixels()] == [(28, 14, 3), (14, 42, 3), (14, 14, 3)]
+    assert t.images.dtype == np.uint8 and t.images.size == 28 * 14 * 3 + 14 * 42 * 3 + 14 * 14 * 3
+    trajs = [build(), t, with_images(1)]
+    with no_per_token_objects():
+        back = load_trajectories(save_trajectories(trajs, tmp_path / "t.parquet"))
+    assert back[0].images is None and back[0].pixels() == []
+    for a, b in zip(trajs[1:], back[1:]):
+        assert a.images.tobytes() == b.images.tobytes() and (a.image_shapes == b.image_shapes).all()
+        assert all((p == q).all() for p, q in zip(a.pixels(), b.pixels()))
+    buffer = TrajectoryBuffer()
+    buffer.add(trajs)
+    manager = ckpt.CheckpointManager(tmp_path / "checkpoints")
+    with manager.begin(1) as tmp:
+        ckpt.save_trainer_state(tmp, buffer.state_dict())
+    resumed = TrajectoryBuffer()
+    resumed.load_state_dict(ckpt.load_trainer_state(ckpt.find_latest(tmp_path / "checkpoints"),
+                                                    restore_rng_state=False))
+    assert [None if x.images is None else x.images.tobytes() for x in resumed.trajectories()] == \
+           [None if x.images is None else x.images.tobytes() for x in trajs]
+    assert pickle.loads(pickle.dumps(t, protocol=5)).images.tobytes() == t.images.tobytes()
+
+
+def test_bad_images_are_named():
+    with pytest.raises(ValueError, match=r"\[H, W, 3\] uint8"):
+        TrajectoryBuilder([1]).append_images([np.zeros((14, 14), dtype=np.uint8)])
+    t = with_images()
+    with pytest.raises(ValueError, match="values for image shapes"):
+        Trajectory(t.tokens, t.loss_mask, t.logprobs, t.versions, t.turn_spans, t.prompt_len, images=t.images[:-1],
+                   image_shapes=t.image_shapes)
+    with pytest.raises(ValueError, match="come together"):
+        Trajectory(t.tokens, t.loss_mask, t.logprobs, t.versions, t.turn_spans, t.prompt_len, images=t.images)

@@ -55,6 +55,9 @@ class BranchNode:
     read_b: torch.Tensor
     read_t: torch.Tensor
     """[m] int64 each: the (row, column) positions whose hidden states are returned (duplicates allowed)."""
+    patch_ids: Optional[torch.Tensor] = None
+    """[b, t] int64: at each image placeholder the row of its patch in the tree's patch table, -1 elsewhere; None:
+    no image (rl/train/batching.py `collate_patches`)."""
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -161,7 +164,8 @@ class Policy:
     def final_hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                      routed_expert_ids: Optional[torch.Tensor] = None,
                      rows: Optional[torch.Tensor] = None,
-                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     position_ids: Optional[torch.Tensor] = None,
+                     pixel_values: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, d], or [N, d] for the positions of the bool mask
         `rows` [B, T]. `attention_mask` [B, T] (0 on padding) is passed to non-K3 models; K3 needs none for
         right padding and takes it as its routing mask, so padding stays out of the router statistics;
@@ -171,15 +175,19 @@ class Policy:
         wherever the positions do not continue by +1 (0 1 2 0 1 …), right padding continues the count or
         starts its own. K3 takes them as `K3ForCausalLM.forward(position_ids=…)`; other models get them with
         attention_mask=None, from which transformers derives the same block-diagonal causal mask
-        (`find_packed_sequence_indices`; their attention implementation must honour it)."""
+        (`find_packed_sequence_indices`; their attention implementation must honour it).
+
+        `pixel_values` [n, C, p, p]: the patches of the image placeholders of `input_ids`, row-major (K3 with image
+        input, model/vision.py); other models refuse them."""
         raise NotImplementedError
 
-    def tree_hidden(self, nodes: list[BranchNode]) -> torch.Tensor:
+    def tree_hidden(self, nodes: list[BranchNode], patch_table: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states after the final norm at every node's read positions, concatenated in node order [Σ m, d],
         of a prefix tree (`nodes` parents first): each node runs once, from its parent's cache repeated to its rows,
         in one autograd graph, so the gradients reaching a shared prefix are summed over everything that reads it
         (rl/train/prefix_tree.py). K3: its hybrid cache (routing replayed with `routed`); other models: their KV
-        cache, positions continuing along the path."""
+        cache, positions continuing along the path. `patch_table` [M, C, p, p] uint8: the patches the nodes'
+        `patch_ids` point at (K3 with image input)."""
         raise NotImplementedError
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int,
@@ -236,14 +244,16 @@ class K3Policy(Policy):
     def set_recompute(self, mode: str) -> None:
         self.model.model.set_recompute(mode)  # model/modeling.py RECOMPUTE_MODES
 
-    def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None):
+    def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None,
+                     pixel_values=None):
         mask = None if attention_mask is None else attention_mask.bool()
-        out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask,
+        out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask, pixel_values=pixel_values,
                          return_hidden_states=True, position_ids=position_ids, **self._keep)
         h = out.hidden_states if rows is None else out.hidden_states[rows]
         return self.model.model.norm(h)
 
-    def tree_hidden(self, nodes):
+    def tree_hidden(self, nodes, patch_table=None):
+        from k3rl.model.vision import placeholder_pixels
         capacity = max(n.start + n.ids.shape[1] for n in nodes)
         parents = {n.parent for n in nodes}
         caches, out = {}, []
@@ -254,7 +264,8 @@ class K3Policy(Policy):
             else:  # a copy of the parent's state per row (`K3Cache.select`): the parent's stays for its other children
                 cache = caches[node.parent].select(torch.zeros(b, dtype=torch.long, device=node.ids.device))
             o = self.model(node.ids, cache=cache, routed_expert_ids=node.routed, routing_mask=node.valid,
-                           return_hidden_states=True, logits_to_keep=1)
+                           pixel_values=placeholder_pixels(patch_table, node.patch_ids), return_hidden_states=True,
+                           logits_to_keep=1)
             if k in parents:
                 caches[k] = cache
             out.append(o.hidden_states[node.read_b, node.read_t])
@@ -330,16 +341,19 @@ class HFPolicy(Policy):
         # under gradient checkpointing an HF model drops its KV cache in training: no branch to share from
         return recompute == "none"
 
-    def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None):
+    def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None,
+                     pixel_values=None):
+        _no_images(self.model, pixel_values)
         packed = {} if position_ids is None else {"position_ids": position_ids}
         out = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
                          output_hidden_states=True, use_cache=False, **packed, **self._keep)
         h = out.hidden_states[-1]
         return h if rows is None else h[rows]
 
-    def tree_hidden(self, nodes):
+    def tree_hidden(self, nodes, patch_table=None):
         from transformers import DynamicCache
 
+        _no_images(self.model, patch_table)
         parents = {n.parent for n in nodes}
         caches, out = {}, []
         for k, node in enumerate(nodes):
@@ -401,6 +415,11 @@ class HFPolicy(Policy):
         for file in sorted(Path(directory).glob("*.safetensors")):
             weights.update(load_file(file))
         return stack_experts(weights)
+
+
+def _no_images(model: Any, pixels: Any) -> None:
+    if pixels is not None:
+        raise ValueError(f"{type(model).__name__}: images are read by K3 models with image input only")
 
 
 def _is_k3(model: Any) -> bool:

@@ -11,6 +11,10 @@ bias-free `Conv2d(C, d, p, stride=p)` reshaped, the layout of the released ViT's
 The number of patches must equal the number of placeholder tokens in the batch; anything else
 raises ValueError with both counts. Departure from the released model: no ViT tower, no 2×2
 merge and no projector MLP (optional in Part A; the checkpoint name is `model.patch_embed.proj`).
+
+Pixel scale: an image the toolkit shows (envs/media.py, RGB uint8) enters as its values / 255, in [0, 1]: uint8
+`pixel_values` are scaled so in the projection's dtype (`pixel_values_of` does the same outside); patches of one image
+are cut by `image_patches` ([n, C, p, p] uint8, raster order).
 """
 
 from __future__ import annotations
@@ -28,6 +32,33 @@ def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:
         raise ValueError(f"pixel_values: image sides {Hh}×{Ww} must be multiples of image_patch_size={patch}")
     x = image.reshape(C, Hh // patch, patch, Ww // patch, patch)  # [C, h, p, w, p]
     return x.permute(1, 3, 0, 2, 4).reshape((Hh // patch) * (Ww // patch), C * patch * patch)
+
+
+def image_patches(pixels, patch: int):
+    """An RGB uint8 image [H, W, 3] (numpy; sides multiples of `patch`) → its patches [n, 3, p, p] uint8 in raster
+    order, the order its placeholders take them."""
+    import numpy as np
+
+    h, w, c = pixels.shape
+    if h % patch or w % patch:
+        raise ValueError(f"an image of {h}×{w} pixels is not whole patches of {patch} (envs/media.py fit_to_patches)")
+    x = np.asarray(pixels).reshape(h // patch, patch, w // patch, patch, c)  # [h', p, w', p, C]
+    return np.ascontiguousarray(x.transpose(0, 2, 4, 1, 3).reshape(-1, c, patch, patch))
+
+
+def pixel_values_of(patches: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 patches [n, C, p, p] → the model's `pixel_values` (values / 255)."""
+    return patches.to(dtype) / 255.0
+
+
+def placeholder_pixels(table: torch.Tensor | None, patch_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The `pixel_values` [n, C, p, p] uint8 of the placeholders that `patch_ids` ([B, T], -1 elsewhere) marks,
+    row-major, from a patch table [M, C, p, p]; None when there is none — any slice of a batch's columns takes its
+    own."""
+    if table is None or patch_ids is None:
+        return None
+    at = patch_ids[patch_ids >= 0]
+    return table[at] if at.numel() else None  # uint8: scaled by the projection (PatchEmbed.embed)
 
 
 class PatchEmbed(nn.Module):
@@ -48,7 +79,12 @@ class PatchEmbed(nn.Module):
             if img.ndim == 3 and img.shape[0] != self.channels:
                 raise ValueError(f"pixel_values: images need image_num_channels={self.channels} channels, "
                                  f"got shape {list(img.shape)}")
-        patches = torch.cat([patchify(img, self.patch) for img in images])  # [N_patches, C·p·p]
+        if torch.is_tensor(pixel_values) and pixel_values.shape[-2:] == (self.patch, self.patch):
+            patches = pixel_values.reshape(pixel_values.shape[0], -1)  # single patches: patchify is a reshape
+        else:
+            patches = torch.cat([patchify(img, self.patch) for img in images])  # [N_patches, C·p·p]
+        if patches.dtype == torch.uint8:
+            return self.proj(pixel_values_of(patches, self.proj.weight.dtype))
         return self.proj(patches.to(self.proj.weight.dtype))
 
     def fuse(self, input_ids: torch.Tensor, embeddings: torch.Tensor,

@@ -44,6 +44,11 @@ class TrainSequence:
     positions: Optional[np.ndarray] = None
     """[n] int positions of the inputs when several documents are packed in the sequence (restarting at 0 at each
     document's first token), or None: one document."""
+    patch_at: Optional[np.ndarray] = None
+    """[n] int32: at each image placeholder among the inputs, the index of its patch in `patches`; -1 elsewhere.
+    None: no image."""
+    patches: Optional[np.ndarray] = None
+    """[m, C, p, p] uint8, the patches of the trajectory's images in placeholder order (model/vision.py)."""
 
     def tail(self, start: int) -> TrainSequence:
         """The positions from `start` on (what is left after a shared prefix)."""
@@ -54,7 +59,8 @@ class TrainSequence:
         cut = slice(start, end)
         return TrainSequence(self.inputs[cut], self.targets[cut], self.mask[cut], self.behaviour[cut], self.advantage,
                              None if self.routed is None else self.routed[cut], self.group,
-                             None if self.positions is None else self.positions[cut])
+                             None if self.positions is None else self.positions[cut],
+                             None if self.patch_at is None else self.patch_at[cut], self.patches)
 
     def document_starts(self) -> np.ndarray:
         """Where each packed document starts ([0] for one document)."""
@@ -86,16 +92,30 @@ class MicroBatch:
     """[B, T, L, k] int64 routing to replay (-1: route yourself), or None."""
     position_ids: Optional[torch.Tensor] = None
     """[B, T] int64 positions of packed documents (padding continues the count), or None: one document per row."""
+    patch_ids: Optional[torch.Tensor] = None
+    """[B, T] int64: at each image placeholder the row of its patch in `patch_table`, -1 elsewhere; None: no image."""
+    patch_table: Optional[torch.Tensor] = None
+    """[M, C, p, p] uint8, the patches of every row's images."""
 
     @property
     def num_seqs(self) -> int:
         return self.input_ids.shape[0]
 
+    def pixel_values(self, patch_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The model's `pixel_values` for the placeholders of `patch_ids` (default: the whole batch's), row-major
+        (model/vision.py `placeholder_pixels`)."""
+        from k3rl.model.vision import placeholder_pixels
 
-def to_train_sequence(trajectory: Any, advantage: float) -> Optional[TrainSequence]:
-    """A trajectory as a training sequence; None when it has no trainable token."""
+        return placeholder_pixels(self.patch_table, self.patch_ids if patch_ids is None else patch_ids)
+
+
+def to_train_sequence(trajectory: Any, advantage: float, media: Optional[tuple[int, int]] = None
+                      ) -> Optional[TrainSequence]:
+    """A trajectory as a training sequence; None when it has no trainable token. `media` (placeholder token id,
+    patch size) for a model that reads images: the trajectory's images become its patches, one per placeholder."""
     if len(trajectory.tokens) < 2 or not trajectory.loss_mask[1:].any():
         return None
+    patch_at, patches = _patches(trajectory, media)
     routed = trajectory.routed_experts
     positions = getattr(trajectory, "position_ids", None)
     if positions is not None:
@@ -110,7 +130,32 @@ def to_train_sequence(trajectory: Any, advantage: float) -> Optional[TrainSequen
                          mask=np.asarray(trajectory.loss_mask[1:], dtype=bool),
                          behaviour=np.asarray(trajectory.logprobs[1:], dtype=np.float32),
                          advantage=float(advantage), routed=None if routed is None else np.asarray(routed[:-1]),
-                         group=str(trajectory.group_id or ""), positions=positions)
+                         group=str(trajectory.group_id or ""), positions=positions, patch_at=patch_at,
+                         patches=patches)
+
+
+def _patches(trajectory: Any, media: Optional[tuple[int, int]]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(patch index per input position, the patches) of a trajectory's images (see `TrainSequence`)."""
+    images = getattr(trajectory, "images", None)
+    if media is None:
+        if images is not None:
+            raise ValueError("a trajectory with images, but the model reads none (no media_placeholder_token_id)")
+        return None, None
+    placeholder, patch = media
+    tokens = np.asarray(trajectory.tokens)
+    slots = tokens[:-1] == placeholder
+    if images is None and not slots.any() and tokens[-1] != placeholder:
+        return None, None
+    from k3rl.model.vision import image_patches
+
+    pixels = trajectory.pixels() if images is not None else []
+    patches = (np.concatenate([image_patches(p, patch) for p in pixels]) if pixels
+               else np.zeros((0, 3, patch, patch), dtype=np.uint8))
+    if int((tokens == placeholder).sum()) != len(patches) or tokens[-1] == placeholder:
+        raise ValueError(f"a trajectory with {int((tokens == placeholder).sum())} image placeholders (id "
+                         f"{placeholder}) but {len(patches)} patches in its {len(pixels)} images")
+    patch_at = np.where(slots, np.cumsum(slots) - 1, -1).astype(np.int32)
+    return patch_at, patches
 
 
 def split_documents(seq: TrainSequence, max_len: int) -> list[TrainSequence]:
@@ -175,6 +220,7 @@ def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Opti
     targets = np.zeros((B, T), dtype=np.int64)
     behaviour = np.zeros((B, T), dtype=np.float32)
     adv = np.zeros((B, T), dtype=np.float32)
+    patch_ids, table = _collate_patches(seqs, T, device)
     recorded = routing_shape is not None and any(s.routed is not None for s in seqs)
     routed = np.full((B, T, *routing_shape), -1, dtype=np.int64) if recorded else None
     packed = any(s.positions is not None for s in seqs)
@@ -199,8 +245,31 @@ def collate(seqs: list[TrainSequence], device: torch.device, routing_shape: Opti
     return MicroBatch(input_ids=t(ids), valid=t(valid), loss_mask=t(mask), targets=t(targets[mask]),
                       behaviour=t(behaviour[mask]), advantages=t(adv[mask]), seq_ids=t(rows[mask]),
                       routed=None if routed is None else t(routed),
-                      position_ids=None if positions is None else t(positions))
+                      position_ids=None if positions is None else t(positions), patch_ids=patch_ids, patch_table=table)
 
 
-__all__ = ["MicroBatch", "TrainSequence", "collate", "pack_micro_batches",
+def collate_patches(rows: list[tuple[TrainSequence, int, int]], width: int, device: torch.device
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """([b, width] patch ids, the patch table) of rows that are slices [start, end) of sequences (right-padded): each
+    distinct sequence's patches once in the table, the rows' ids shifted to them; (None, None) without images."""
+    if all(s.patch_at is None for s, _, _ in rows):
+        return None, None
+    ids = np.full((len(rows), width), -1, dtype=np.int64)
+    tables, offset = [], {}
+    for r, (s, start, end) in enumerate(rows):
+        if s.patch_at is None:
+            continue
+        if id(s.patches) not in offset:
+            offset[id(s.patches)] = sum(len(x) for x in tables)
+            tables.append(s.patches)
+        at = s.patch_at[start:end]
+        ids[r, :end - start] = np.where(at >= 0, at + offset[id(s.patches)], -1)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(np.concatenate(tables)).to(device)
+
+
+def _collate_patches(seqs: list[TrainSequence], width: int, device: torch.device):
+    return collate_patches([(s, 0, len(s.inputs)) for s in seqs], width, device)
+
+
+__all__ = ["MicroBatch", "TrainSequence", "collate", "collate_patches", "pack_micro_batches",
            "split_documents", "to_train_sequence"]

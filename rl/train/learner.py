@@ -189,6 +189,13 @@ class Learner:
         return (len(self._routers), self._routers[0].top_k) if self._routers else None
 
     @property
+    def _media(self) -> Optional[tuple[int, int]]:
+        """(placeholder token id, patch size) of a model that reads images, else None (rl/train/batching.py)."""
+        config = self.model.config
+        placeholder = getattr(config, "media_placeholder_token_id", None) if self.policy.is_k3 else None
+        return None if placeholder is None else (int(placeholder), int(config.image_patch_size))
+
+    @property
     def _replay_shape(self) -> Optional[tuple[int, int]]:
         return self.routing_shape if self._replay else None
 
@@ -217,7 +224,8 @@ class Learner:
             logp, ent = segments.graph_logprobs(policy, unit, score)
         else:
             hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
-                                         rows=mb.loss_mask, position_ids=mb.position_ids)  # [N, d]
+                                         rows=mb.loss_mask, position_ids=mb.position_ids,
+                                         pixel_values=mb.pixel_values())  # [N, d]
             logp, ent = score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
         return unit.to_tokens(logp), None if ent is None else unit.to_tokens(ent)
 
@@ -232,7 +240,7 @@ class Learner:
         share of the trajectories (possibly none): a rank with fewer micro-batches runs idle forwards."""
         # every trajectory's pieces (one, or its documents when packed and longer than a segment), in order
         pieces, owner = [], []
-        for i, s in enumerate(to_train_sequence(t, 0.0) for t in trajectories):
+        for i, s in enumerate(to_train_sequence(t, 0.0, self._media) for t in trajectories):
             for piece in ([] if s is None else units.pieces(s, self.cfg.segment_tokens, self.policy.segments)):
                 pieces.append(piece)
                 owner.append(i)
@@ -304,7 +312,8 @@ class Learner:
             advantages = compute_advantages(self.algo, trajectories)
         if len(advantages) != len(trajectories):
             raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
-        seqs = [s for s in (to_train_sequence(t, a) for t, a in zip(trajectories, advantages)) if s is not None]
+        seqs = [s for s in (to_train_sequence(t, a, self._media) for t, a in zip(trajectories, advantages))
+                if s is not None]
         counts = torch.tensor([sum(int(s.mask.sum()) for s in seqs), len(seqs), sum(len(s.inputs) for s in seqs)],
                               dtype=torch.float64, device=self.device)
         n_tokens, n_seqs, n_inputs = parallel.all_reduce(counts, "sum", self.group).tolist()

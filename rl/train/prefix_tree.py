@@ -10,9 +10,9 @@ of the sequences run apart, up to rounding (tests/rl/test_prefix_tree.py, float6
                                                                     3: c d | e     b=2, parent 2
 
 Planning (`plan_trees`): sequences that share their first `min_shared` positions (same tokens, same recorded
-routing) form a cluster; a cluster is sorted (lexicographic order is the trie's depth-first order) and cut into units
-of at most `token_budget` distinct tokens (a shared prefix longer than half the budget counts as half: it would run
-in segments anyway) and `max_seqs` sequences. Building (`build_tree`): a span shared by at least two sequences and
+routing, the same image patch at a placeholder) form a cluster; a cluster is sorted (lexicographic order is the
+trie's depth-first order) and cut into units of at most `token_budget` distinct tokens (a shared prefix longer than
+half the budget counts as half: it would run in segments anyway) and `max_seqs` sequences. Building (`build_tree`): a span shared by at least two sequences and
 `min_shared` positions long becomes a node with one row; what is left of each sequence under a node (at least one
 position each) becomes a row of that node's leaf batch. Shared spans may hold loss rows: where members of a node
 score the same position, its hidden state is computed once and each (position, target) pair is scored once; every
@@ -52,6 +52,8 @@ class PrefixTree:
     """[M] int64: the target token of each (position, target) pair."""
     gather: torch.Tensor
     """[N] int64: the pair of each loss token of the unit's sequences, row-major as rl/train/batching.py `collate`."""
+    patch_table: Optional[torch.Tensor] = None
+    """[M, C, p, p] uint8, the patches of the members' images (the nodes' `patch_ids` point here), or None."""
 
     @property
     def computed_tokens(self) -> int:
@@ -64,20 +66,33 @@ class PrefixTree:
 
     def without_routing(self) -> PrefixTree:
         """The same tree routing itself (a reference policy's)."""
-        nodes = [BranchNode(n.parent, n.start, n.ids, n.valid, None, n.read_b, n.read_t) for n in self.nodes]
-        return PrefixTree(nodes, self.pairs, self.targets, self.gather)
+        nodes = [BranchNode(n.parent, n.start, n.ids, n.valid, None, n.read_b, n.read_t, n.patch_ids)
+                 for n in self.nodes]
+        return PrefixTree(nodes, self.pairs, self.targets, self.gather, self.patch_table)
 
 
 def _first_difference(a: TrainSequence, b: TrainSequence, start: int = 0) -> int:
-    """The first position ≥ `start` where `a` and `b` differ (token or recorded routing), or the shorter length."""
+    """The first position ≥ `start` where `a` and `b` differ (token, recorded routing, or the image patch at a
+    placeholder), or the shorter length."""
     n = min(len(a.inputs), len(b.inputs))
     differ = a.inputs[start:n] != b.inputs[start:n]
     if (a.routed is None) != (b.routed is None):
         return start
     if a.routed is not None:
         differ = differ | (a.routed[start:n] != b.routed[start:n]).reshape(n - start, -1).any(-1)
+    if a.patch_at is not None or b.patch_at is not None:
+        pa, pb = _patch_at(a)[start:n], _patch_at(b)[start:n]
+        both = np.flatnonzero((pa >= 0) & (pb >= 0))
+        differ = differ | ((pa >= 0) != (pb >= 0))
+        if len(both):
+            other = (a.patches[pa[both]] != b.patches[pb[both]]).reshape(len(both), -1).any(-1)
+            differ[both[other]] = True
     hits = np.flatnonzero(differ)
     return start + int(hits[0]) if len(hits) else n
+
+
+def _patch_at(s: TrainSequence) -> np.ndarray:
+    return s.patch_at if s.patch_at is not None else np.full(len(s.inputs), -1, dtype=np.int32)
 
 
 def _compare(a: TrainSequence, b: TrainSequence) -> int:
@@ -90,7 +105,8 @@ def _compare(a: TrainSequence, b: TrainSequence) -> int:
 
 
 def _key(s: TrainSequence, i: int) -> tuple:
-    return (int(s.inputs[i]), () if s.routed is None else tuple(s.routed[i].ravel().tolist()))
+    patch = b"" if s.patch_at is None or s.patch_at[i] < 0 else s.patches[s.patch_at[i]].tobytes()
+    return (int(s.inputs[i]), () if s.routed is None else tuple(s.routed[i].ravel().tolist()), patch)
 
 
 def plan_trees(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: Optional[int] = None,
@@ -100,7 +116,7 @@ def plan_trees(seqs: Sequence[TrainSequence], token_budget: int, max_seqs: Optio
     clusters: dict[tuple, list[int]] = {}
     for i, s in enumerate(seqs):
         if s.positions is None and len(s.inputs) > min_shared:
-            head = (s.inputs[:min_shared].tobytes(), None if s.routed is None else s.routed[:min_shared].tobytes())
+            head = tuple(_key(s, i) for i in range(min_shared))
             clusters.setdefault(head, []).append(i)
     units: list[list[int]] = []
     for members in clusters.values():
@@ -177,6 +193,11 @@ def build_tree(seqs: Sequence[TrainSequence], device: torch.device, routing_shap
         plan.append(("span", k))
         if k in leaves:
             plan.append(("leaves", k))
+    offsets, tables = {}, []  # each member's patches in the tree's table
+    for m, s in enumerate(seqs):
+        if s.patch_at is not None:
+            offsets[m] = sum(len(t) for t in tables)
+            tables.append(s.patches)
     pair_ids: dict[tuple[int, int, int, int], int] = {}  # (node, row, column, target) → pair
     gather: list[np.ndarray] = []
     pending: dict[int, list[int]] = {}  # member → pair of each of its loss tokens, in order
@@ -209,6 +230,7 @@ def build_tree(seqs: Sequence[TrainSequence], device: torch.device, routing_shap
         reads.append(([], []))
         ids = np.zeros((batch, width), dtype=np.int64)
         valid = np.zeros((batch, width), dtype=bool)
+        patch_ids = np.full((batch, width), -1, dtype=np.int64) if tables else None
         routed = None
         if routing_shape is not None and any(seqs[m].routed is not None for m, _, _ in rows):
             routed = np.full((batch, width, *routing_shape), -1, dtype=np.int64)
@@ -219,20 +241,25 @@ def build_tree(seqs: Sequence[TrainSequence], device: torch.device, routing_shap
                 valid[row, :b - a] = True
                 if routed is not None and s.routed is not None:
                     routed[row, :b - a] = s.routed[a:b]
+                if patch_ids is not None and s.patch_at is not None:
+                    at = s.patch_at[a:b]
+                    patch_ids[row, :b - a] = np.where(at >= 0, at + offsets[m], -1)
             for p in np.flatnonzero(s.mask[a:b]):
                 pending.setdefault(m, []).append(read(node, row, int(p), int(s.targets[a + p])))
         start = span.start if kind == "span" else span.end
         nodes.append(BranchNode(parent, start, torch.from_numpy(ids).to(device), torch.from_numpy(valid).to(device),
                                 None if routed is None else torch.from_numpy(routed).to(device),
                                 torch.tensor(reads[node][0], dtype=torch.long, device=device),
-                                torch.tensor(reads[node][1], dtype=torch.long, device=device)))
+                                torch.tensor(reads[node][1], dtype=torch.long, device=device),
+                                None if patch_ids is None else torch.from_numpy(patch_ids).to(device)))
     targets = np.zeros(len(pair_ids), dtype=np.int64)
     for (_, _, _, target), pair in pair_ids.items():
         targets[pair] = target
     for m in range(len(seqs)):  # each member's loss tokens in position order: spans along its path, then its leaf
         gather.append(np.asarray(pending.get(m, []), dtype=np.int64))
     return PrefixTree(nodes, [torch.tensor(p, dtype=torch.long, device=device) for p in pairs],
-                      torch.from_numpy(targets).to(device), torch.from_numpy(np.concatenate(gather)).to(device))
+                      torch.from_numpy(targets).to(device), torch.from_numpy(np.concatenate(gather)).to(device),
+                      torch.from_numpy(np.concatenate(tables)).to(device) if tables else None)
 
 
 __all__ = ["MIN_SHARED", "PrefixTree", "build_tree", "plan_trees"]

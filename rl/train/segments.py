@@ -40,6 +40,7 @@ import torch
 
 from k3rl.model.cache import K3Cache
 from k3rl.model.policy import BranchNode
+from k3rl.model.vision import placeholder_pixels
 from k3rl.rl.train.batching import MicroBatch
 from k3rl.rl.train.prefix_tree import PrefixTree
 
@@ -90,8 +91,13 @@ class Unit:
             return self.tree.nodes, self.tree.pairs
         mb = self.mb
         read_b, read_t = mb.loss_mask.nonzero(as_tuple=True)  # row-major: the [N] order
-        return [BranchNode(-1, 0, mb.input_ids, mb.valid, mb.routed, read_b, read_t)], [
+        return [BranchNode(-1, 0, mb.input_ids, mb.valid, mb.routed, read_b, read_t, mb.patch_ids)], [
             torch.arange(read_b.numel(), device=read_b.device)]
+
+    @property
+    def patch_table(self) -> Optional[torch.Tensor]:
+        """The patches the nodes' `patch_ids` point at, or None."""
+        return self.mb.patch_table if self.tree is None else self.tree.patch_table
 
 
 def cuts(length: int, segment_tokens: Optional[int]) -> list[tuple[int, int]]:
@@ -112,13 +118,14 @@ Scorer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Optional[tor
 """(normed hidden rows [n, d], their pairs [n], indices into `Unit.targets`) → (log π [n], entropy [n] or None)."""
 
 
-def _run(model, node: BranchNode, lo: int, hi: int, cache: K3Cache, pairs: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(model, node: BranchNode, lo: int, hi: int, cache: K3Cache, pairs: torch.Tensor,
+         patch_table: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns [lo, hi) of a node through the cache → (normed hidden states of its read positions there [n, d],
     their pairs [n])."""
     routed = None if node.routed is None else node.routed[:, lo:hi]
+    pixels = None if node.patch_ids is None else placeholder_pixels(patch_table, node.patch_ids[:, lo:hi])
     out = model(node.ids[:, lo:hi], cache=cache, routed_expert_ids=routed, routing_mask=node.valid[:, lo:hi],
-                return_hidden_states=True, logits_to_keep=1)
+                pixel_values=pixels, return_hidden_states=True, logits_to_keep=1)
     inside = (node.read_t >= lo) & (node.read_t < hi)
     if not bool(inside.any()):
         return out.hidden_states.new_zeros(0, out.hidden_states.shape[-1]), pairs[:0]
@@ -132,7 +139,7 @@ def graph_logprobs(policy, unit: Unit, score: Scorer) -> tuple[torch.Tensor, Opt
     backpropagates its loss through the result."""
     nodes, pairs = unit.nodes()
     order = torch.cat(pairs)
-    lp, ent = score(policy.tree_hidden(nodes), order)
+    lp, ent = score(policy.tree_hidden(nodes, unit.patch_table), order)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return lp[inverse], None if ent is None else ent[inverse]
@@ -186,7 +193,7 @@ def forward(model, unit: Unit, segment_tokens: Optional[int], score: Scorer, kee
             if keep_states:
                 mine.append(({i: x.clone() for i, x in cache.conv.items()},
                              {i: x.clone() for i, x in cache.recurrent.items()}))
-            hidden, order = _run(model, node, lo, hi, cache, pairs[k])
+            hidden, order = _run(model, node, lo, hi, cache, pairs[k], unit.patch_table)
             if not order.numel():
                 continue
             lp, ent = score(hidden, order)
@@ -237,7 +244,7 @@ def backward(model, unit: Unit, segment_tokens: Optional[int], fwd: _Forward, gr
                 cache.latent[i] = torch.cat([lat_in[i], fresh], dim=1) if start else fresh
             cache.capacity, cache.seq_len = node.start + hi, start
 
-            hidden, order = _run(model, node, lo, hi, cache, pairs[k])
+            hidden, order = _run(model, node, lo, hi, cache, pairs[k], unit.patch_table)
             outputs, grads = [], []
             if order.numel():
                 lp, _ = score(hidden, order)

@@ -70,7 +70,7 @@ def step_grads(learner: Learner, trajectories, segment_tokens, share_prefix):
     """Summed loss and every parameter's gradient of one step's forward/backward (no optimizer step)."""
     learner.cfg.segment_tokens = segment_tokens
     adv = compute_advantages(learner.algo, trajectories)
-    seqs = [to_train_sequence(t, a) for t, a in zip(trajectories, adv)]
+    seqs = [to_train_sequence(t, a, learner._media) for t, a in zip(trajectories, adv)]
     n_tokens, n_seqs = float(sum(int(s.mask.sum()) for s in seqs)), float(len(seqs))
     learner.model.zero_grad(set_to_none=True)
     router_balance.clear_stats(learner.model)

@@ -191,12 +191,15 @@ class Policy:
         raise NotImplementedError
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int,
-                segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+                segment_tokens: Optional[int] = None, patch_ids: Optional[torch.Tensor] = None,
+                patch_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
         """Left-padded prompts [B, T] (mask 0 on padding) → last-position logits [B, V] and the decode state.
 
         With `segment_tokens`, the prompt goes in segments of that many tokens through the model's own cache
         (K3: KDA and conv states carried, MLA's latents appended and attended by query block; HF: its KV cache),
-        so the activations of one step stay bounded by the segment, not the prompt."""
+        so the activations of one step stay bounded by the segment, not the prompt. Images (K3 with image input):
+        `patch_ids` [B, T] marks each placeholder's patch in `patch_table` [M, C, p, p] uint8 (-1 elsewhere); a
+        segment takes the patches of its own placeholders (model/vision.py `placeholder_pixels`)."""
         raise NotImplementedError
 
     def decode(self, new: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
@@ -208,9 +211,11 @@ class Policy:
         """The decode state of rows `index` (reorder, drop or repeat sequences)."""
         raise NotImplementedError
 
-    def extend(self, ids: torch.Tensor, state: dict, segment_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+    def extend(self, ids: torch.Tensor, state: dict, segment_tokens: Optional[int] = None,
+               patch_ids: Optional[torch.Tensor] = None, patch_table: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, dict]:
         """New tokens [B, T] (no padding) on top of a decode state → last-position logits [B, V] and the state,
-        in segments of `segment_tokens` as `prefill`."""
+        in segments of `segment_tokens` as `prefill` (images likewise)."""
         raise NotImplementedError(f"{type(self.model).__name__}: kept decode states are K3-only")
 
     def save(self, directory: Path, state: Optional[Mapping[str, torch.Tensor]] = None, tokenizer_from: Any = None,
@@ -271,13 +276,16 @@ class K3Policy(Policy):
             out.append(o.hidden_states[node.read_b, node.read_t])
         return self.model.model.norm(torch.cat(out))
 
-    def prefill(self, ids, mask, capacity, segment_tokens=None):
+    def prefill(self, ids, mask, capacity, segment_tokens=None, patch_ids=None, patch_table=None):
+        from k3rl.model.vision import placeholder_pixels
+
         B, T = ids.shape
         seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         cache = self.model.new_cache(B, capacity=capacity)
         cache.pad_len = (mask == 0).sum(1).to(cache.pad_len)  # padding sits in the first columns
         for lo in range(0, T, seg):
-            out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
+            pixels = None if patch_ids is None else placeholder_pixels(patch_table, patch_ids[:, lo:lo + seg])
+            out = self.model(ids[:, lo:lo + seg], cache=cache, pixel_values=pixels, logits_to_keep=1)
         return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
 
     def decode(self, new, state):
@@ -303,12 +311,15 @@ class K3Policy(Policy):
         cache = type(states[0]["cache"]).stack([s["cache"] for s in states], capacity)
         return {"cache": cache, "route": route}
 
-    def extend(self, ids, state, segment_tokens=None):
+    def extend(self, ids, state, segment_tokens=None, patch_ids=None, patch_table=None):
+        from k3rl.model.vision import placeholder_pixels
+
         T = ids.shape[1]
         seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         cache = state["cache"]
         for lo in range(0, T, seg):
-            out = self.model(ids[:, lo:lo + seg], cache=cache, logits_to_keep=1)
+            pixels = None if patch_ids is None else placeholder_pixels(patch_table, patch_ids[:, lo:lo + seg])
+            out = self.model(ids[:, lo:lo + seg], cache=cache, pixel_values=pixels, logits_to_keep=1)
         return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
 
     def save(self, directory, state=None, tokenizer_from=None, trust_remote_code=False):
@@ -371,7 +382,8 @@ class HFPolicy(Policy):
             out.append(o.hidden_states[-1][node.read_b, node.read_t])
         return torch.cat(out)
 
-    def prefill(self, ids, mask, capacity, segment_tokens=None):
+    def prefill(self, ids, mask, capacity, segment_tokens=None, patch_ids=None, patch_table=None):
+        _no_images(self.model, patch_table)
         B, T = ids.shape
         seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)

@@ -45,7 +45,7 @@ from typing import Any
 
 from k3rl.envs.base import Budget, Env, Episode
 from k3rl.envs.tools import STOP_SEQUENCES
-from k3rl.rollout.chat import ChatRenderer
+from k3rl.rollout.chat import ChatRenderer, images_of
 from k3rl.rollout.engine import Engine, SamplingParams, SessionEngine, sample_contexts
 from k3rl.rollout.trajectory import Trajectory, TrajectoryBuilder
 
@@ -123,7 +123,9 @@ class AgentLoop:
                  compaction: Compaction | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer)
+        self.image_patch = getattr(engine, "image_patch", None)
+        """The model's patch size when it reads images (envs/media.py), else None."""
+        self.renderer = ChatRenderer(tokenizer, image_patch=self.image_patch)
         self.env_factory = env_factory
         self.params = params
         self.budget = budget
@@ -178,12 +180,18 @@ class AgentLoop:
 
     def _start(self, request: EpisodeRequest) -> PausedEpisode:
         env = self._free_envs.pop() if self._free_envs else self.env_factory()
-        episode = Episode(env, request.task, self.budget, self._count_tokens)
-        p = PausedEpisode(request, episode, TrajectoryBuilder(self.renderer.prompt_tokens(episode.messages)),
+        episode = Episode(env, request.task, self.budget, self._count_tokens, image_patch=self.image_patch)
+        p = PausedEpisode(request, episode, self._builder(episode.messages),
                           session=(id(self), next(self._session_ids)), opening=list(episode.messages))
         if p.builder.length >= self.max_context_tokens:
             p.finish = "truncated:context"
         return p
+
+    def _builder(self, messages: list[dict]) -> TrajectoryBuilder:
+        """A sequence starting with `messages` rendered as a prompt, their images beside it."""
+        builder = TrajectoryBuilder(self.renderer.prompt_tokens(messages))
+        builder.append_images([part.pixels for part in images_of(messages)])
+        return builder
 
     def _round(self, active: list[PausedEpisode]) -> None:
         """One turn of every active episode: batched generate calls, then each environment's step."""
@@ -202,8 +210,12 @@ class AgentLoop:
             params = SamplingParams(n=1, temperature=self.params.temperature, top_p=self.params.top_p,
                                     max_tokens=room, stop=tuple(self.params.stop) + STOP_SEQUENCES,
                                     stop_token_ids=self.params.stop_token_ids, seed=self.params.seed)
+            images = None
+            if self.image_patch is not None:
+                images = [active[i].builder.patches(self.image_patch) for i in idx]
+                images = None if all(x is None for x in images) else images
             completions = sample_contexts(self.engine, [active[i].builder.token_array() for i in idx], params,
-                                          [active[i].session for i in idx] if self._sessions else None)
+                                          [active[i].session for i in idx] if self._sessions else None, images)
             outs.update((i, [c]) for i, c in zip(idx, completions))
         self.stats.generate_seconds += time.perf_counter() - t0
         self.stats.rounds += 1
@@ -230,17 +242,19 @@ class AgentLoop:
                 # (often the reward itself) stays out of the trajectory.
                 p.finish = "truncated:" + episode.finish_reason if episode.truncated else "done"
                 continue
-            obs = self.renderer.observation_tokens(step.observation, ended_with_eos)
+            shown = episode.messages[-1]["content"]  # the tool message: its text, or text and images
+            obs = self.renderer.observation_tokens(shown, ended_with_eos)
             c = self.compaction
             if c is not None and builder.length + len(obs) >= c.tokens and len(p.sequences) < c.max_compactions:
                 # the tool result, then the request for a summary: the next turn is the summary (module docstring)
-                obs = self.renderer.continuation_tokens([{"role": self.renderer.tool_role, "content": step.observation},
+                obs = self.renderer.continuation_tokens([{"role": self.renderer.tool_role, "content": shown},
                                                          {"role": "user", "content": c.prompt}], ended_with_eos)
                 p.summarising = True
             if builder.length + len(obs) + 1 > self.max_context_tokens:
                 p.finish = "truncated:context"
             else:
                 builder.append_context(obs)
+                builder.append_images([part.pixels for part in images_of([episode.messages[-1]])])
         if self._sessions:
             self.engine.end_sessions([p.session for p in active if p.finish is not None])
         self.stats.env_seconds += time.perf_counter() - t0
@@ -249,13 +263,13 @@ class AgentLoop:
         """End the episode's sequence after its summary turn and go on from [system, task, summary]; an episode
         whose new start would not leave room under the compaction budget ends (`truncated:context`)."""
         p.summarising = False
-        prompt = self.renderer.prompt_tokens(p.opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+        builder = self._builder(p.opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
         p.summaries.append(summary)
-        if len(prompt) >= self.compaction.tokens:
+        if builder.length >= self.compaction.tokens:
             p.finish = "truncated:context"
             return
         p.sequences.append(p.builder)
-        p.builder = TrajectoryBuilder(prompt)
+        p.builder = builder
         if self._sessions:  # the new start is prefilled once, in a session of its own
             self.engine.end_sessions([p.session])
             p.session = (id(self), next(self._session_ids))

@@ -97,18 +97,27 @@ class SessionEngine(Engine, Protocol):
 
 
 def sample_contexts(engine: Engine, contexts: Sequence[Any], params: SamplingParams,
-                    sessions: Sequence[Hashable] | None = None) -> list[Completion]:
+                    sessions: Sequence[Hashable] | None = None, images: Sequence[Any] | None = None
+                    ) -> list[Completion]:
     """One completion per context (1-D int arrays) in as few `generate` calls as the engine needs: identical
     contexts (a task's group, in its first turn) are asked as one prompt with n samples, so the engine prefills
     that prompt once; contexts are compared as arrays, and only those of equal length. `sessions`: one per context
-    for an engine that keeps states (`SessionEngine`), which then prefills only what each session added."""
+    for an engine that keeps states (`SessionEngine`), which then prefills only what each session added. `images`:
+    one per context, the patches of its image placeholders or None (rollout/torch_engine.py); contexts are the same
+    only with the same pixels."""
     import numpy as np
+
+    def same_images(a: int, b: int) -> bool:
+        if images is None or (images[a] is None and images[b] is None):
+            return True
+        return images[a] is not None and images[b] is not None and np.array_equal(images[a], images[b])
 
     same: list[tuple[Any, list[int]]] = []
     by_len: dict[int, list[int]] = {}
     for i, context in enumerate(contexts):
         groups = by_len.setdefault(len(context), [])
-        match = next((g for g in groups if np.array_equal(same[g][0], context)), None)
+        match = next((g for g in groups if np.array_equal(same[g][0], context) and same_images(same[g][1][0], i)),
+                     None)
         if match is None:
             groups.append(len(same))
             same.append((context, [i]))
@@ -121,10 +130,12 @@ def sample_contexts(engine: Engine, contexts: Sequence[Any], params: SamplingPar
     for n, prompts in by_n.items():
         p = SamplingParams(n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
                            stop=params.stop, stop_token_ids=params.stop_token_ids, seed=params.seed)
+        media = {} if images is None else {"images": [images[m[0]] for _, m in prompts]}
         if sessions is not None:
-            results = engine.generate([c for c, _ in prompts], p, sessions=[[sessions[i] for i in m] for _, m in prompts])
+            results = engine.generate([c for c, _ in prompts], p, sessions=[[sessions[i] for i in m] for _, m in prompts],
+                                      **media)
         else:
-            results = engine.generate([np.asarray(c).tolist() for c, _ in prompts], p)
+            results = engine.generate([np.asarray(c).tolist() for c, _ in prompts], p, **media)
         for (_, members), samples in zip(prompts, results):
             for i, completion in zip(members, samples):
                 out[i] = completion

@@ -34,6 +34,10 @@ raw model distribution. A sample stops at EOS, a stop token, a stop string (chec
 decoded tail, kept in the output) or `max_tokens`. K3 models also report the routed expert ids
 of each sampled token (for routing replay).
 
+Images (K3 with image input, `image_patch` set): `generate(..., images=…)` gives each prompt the patches of all its
+placeholders ([n, C, p, p] uint8 in placeholder order, model/vision.py `image_patches`); a full prefill takes them all,
+a resumed session the ones after its kept tokens, each prefill segment its own (model/policy.py `prefill`).
+
 Not done here: a prefix cache shared between sequences across calls (only a session's own state is
 reused) and continuous batching of new requests into a running batch.
 """
@@ -88,6 +92,10 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
         self.is_k3 = self.policy.is_k3
+        placeholder = getattr(model.config, "media_placeholder_token_id", None) if self.is_k3 else None
+        self.image_patch = None if placeholder is None else int(model.config.image_patch_size)
+        """The model's patch size when it reads images, else None."""
+        self._placeholder = placeholder
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
         self.reuse_state = reuse_state
         self.resume_stale = resume_stale
@@ -150,10 +158,13 @@ class TorchEngine:
         return self.sessions.version(session)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 sessions: Sequence[Sequence[Hashable]] | None = None) -> list[list[Completion]]:
+                 sessions: Sequence[Sequence[Hashable]] | None = None,
+                 images: Sequence[np.ndarray | None] | None = None) -> list[list[Completion]]:
         """For each prompt (a list or 1-D integer array of token ids), `params.n` completions. `sessions`:
         per prompt, `params.n` distinct ids, one per sample, whose states are kept after this call and
-        resumed by a later prompt that extends them (module docstring); None keeps nothing."""
+        resumed by a later prompt that extends them (module docstring); None keeps nothing. `images`: per prompt
+        the patches of its image placeholders (module docstring), or None."""
+        images = self._check_images(prompts, images)
         if sessions is not None:
             if len(sessions) != len(prompts) or any(len(s) != params.n for s in sessions):
                 raise ValueError(f"sessions: need {params.n} ids for each of the {len(prompts)} prompts")
@@ -168,17 +179,35 @@ class TorchEngine:
         out: list[list[Completion]] = []
         for i in range(0, len(prompts), per_chunk):
             out += self._generate_batch(prompts[i:i + per_chunk], params,
-                                        None if sessions is None else sessions[i:i + per_chunk])
+                                        None if sessions is None else sessions[i:i + per_chunk],
+                                        images[i:i + per_chunk])
+        return out
+
+    def _check_images(self, prompts, images) -> list[np.ndarray | None]:
+        """Per prompt, its patches (None: no placeholder); a count that does not match is named."""
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} entries for {len(prompts)} prompts")
+        out = []
+        for b, p in enumerate(prompts):
+            patches = None if images is None else images[b]
+            slots = 0 if self._placeholder is None else int((np.asarray(p) == self._placeholder).sum())
+            if patches is not None and self.image_patch is None:
+                raise ValueError("images: this model reads no images (media_placeholder_token_id is null)")
+            n = 0 if patches is None else len(patches)
+            if n != slots:
+                raise ValueError(f"images: prompt {b} has {slots} image placeholders but {n} patches")
+            out.append(patches if n else None)
         return out
 
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                        sessions: Sequence[Sequence[Hashable]] | None) -> list[list[Completion]]:
+                        sessions: Sequence[Sequence[Hashable]] | None,
+                        images: Sequence[np.ndarray | None]) -> list[list[Completion]]:
         prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         B, n, dev = len(prompts), params.n, self.device
-        order, logits, state, resumed = self._prompt_states(prompts, params, sessions)
+        order, logits, state, resumed = self._prompt_states(prompts, params, sessions, images)
         stale = {b: kept.stale_tokens(self.version) for b, kept in resumed.items()}
         position = {b: r for r, b in enumerate(order)}
         rows = torch.tensor([position[b] for b in range(B)], device=dev).repeat_interleave(n)  # [B·n]
@@ -227,7 +256,7 @@ class TorchEngine:
                             stale.get(b, 0)) for j in range(n)] for b in range(B)]
 
     def _prompt_states(self, prompts: list[np.ndarray], params: SamplingParams,
-                       sessions: Sequence[Sequence[Hashable]] | None
+                       sessions: Sequence[Sequence[Hashable]] | None, images: Sequence[np.ndarray | None]
                        ) -> tuple[list[int], torch.Tensor, dict, dict[int, Session]]:
         """Prefill the prompts — from a kept session where one continues, else in full: (the prompt of each
         row, last-position logits [B, V], the decode state with room for `params.max_tokens` more, the
@@ -253,7 +282,8 @@ class TorchEngine:
             for r, b in enumerate(fresh):
                 ids[r, T - len(prompts[b]):] = torch.from_numpy(prompts[b]).to(dev)
                 mask[r, T - len(prompts[b]):] = 1
-            logits, state = self._prefill(ids, mask, T + params.max_tokens)
+            patch_ids, table = self._patch_ids([(prompts[b], images[b], 0, T - len(prompts[b])) for b in fresh], T)
+            logits, state = self.policy.prefill(ids, mask, T + params.max_tokens, self.prefill_tokens, patch_ids, table)
             parts.append((fresh, logits, state))
             self.stats.full_prompts += len(fresh)
             self.stats.prefilled_tokens += sum(len(prompts[b]) for b in fresh)
@@ -267,7 +297,9 @@ class TorchEngine:
             longest = max(len(k.tokens) for k in kept)
             state = self.policy.stack([k.state for k in kept], capacity=longest + new + params.max_tokens)
             ids = torch.from_numpy(np.stack([prompts[b][len(k.tokens):] for b, k in zip(members, kept)])).to(dev)
-            logits, state = self.policy.extend(ids, state, self.prefill_tokens)
+            patch_ids, table = self._patch_ids([(prompts[b], images[b], len(k.tokens), -len(k.tokens))
+                                                for b, k in zip(members, kept)], new)
+            logits, state = self.policy.extend(ids, state, self.prefill_tokens, patch_ids, table)
             parts.append((members, logits, state))
             self.stats.resumed_prompts += len(members)
             self.stats.prefilled_tokens += new * len(members)
@@ -295,8 +327,25 @@ class TorchEngine:
         tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
         return any(s in tail for s in stops)
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, capacity: int):
-        return self.policy.prefill(ids, mask, capacity, segment_tokens=self.prefill_tokens)
+    def _patch_ids(self, rows: list[tuple[np.ndarray, np.ndarray | None, int, int]], width: int
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """([B, width] patch ids, the table) for rows (prompt, its patches, first token fed, column of prompt token 0
+        in the batch): the placeholders from the first token fed on take their patches in order."""
+        if all(patches is None for _, patches, _, _ in rows):
+            return None, None
+        ids = np.full((len(rows), width), -1, dtype=np.int64)
+        tables, offset = [], 0
+        for r, (prompt, patches, first, column) in enumerate(rows):
+            if patches is None:
+                continue
+            slots = np.flatnonzero(prompt == self._placeholder)
+            before = int((slots < first).sum())
+            fed = slots[slots >= first]
+            ids[r, fed + column] = offset + before + np.arange(len(fed))
+            tables.append(patches)
+            offset += len(patches)
+        dev = self.device
+        return torch.from_numpy(ids).to(dev), torch.from_numpy(np.concatenate(tables)).to(dev)
 
     def _decode(self, new: torch.Tensor, state: dict):
         return self.policy.decode(new, state)

@@ -163,6 +163,7 @@ class TrajectoryBuilder:
         self._spans: list[tuple[int, int]] = []
         self._routed: list[tuple[int, np.ndarray]] = []
         self._images: list[np.ndarray] = []
+        self._patch_cache: list[np.ndarray] = []
         self.length = 0
         self.prompt_len = len(prompt_tokens)
         self.append_context(prompt_tokens)
@@ -190,6 +191,18 @@ class TrajectoryBuilder:
             self._routed.append((self.length, np.asarray(routed_experts, dtype=np.int16)))
         self._spans.append((self.length, self.length + n))
         self.length += n
+
+    def patches(self, patch: int) -> np.ndarray | None:
+        """The patches of every image so far [n, 3, p, p] uint8, in placeholder order (what an engine takes beside
+        the tokens, rollout/torch_engine.py), or None without images; cut once per image."""
+        if not self._images:
+            return None
+        from k3rl.model.vision import image_patches
+
+        cut = self._patch_cache
+        while len(cut) < len(self._images):
+            cut.append(image_patches(self._images[len(cut)], patch))
+        return np.concatenate(cut)
 
     def append_images(self, pixels: list[np.ndarray]) -> None:
         """The pixels [H, W, 3] uint8 of the images whose media runs the tokens just appended hold, in order."""

@@ -12,12 +12,14 @@ of the sequences run apart, up to rounding (tests/rl/test_prefix_tree.py, float6
 Planning (`plan_trees`): sequences that share their first `min_shared` positions (same tokens, same recorded
 routing, the same image patch at a placeholder) form a cluster; a cluster is sorted (lexicographic order is the
 trie's depth-first order) and cut into units of at most `token_budget` distinct tokens (a shared prefix longer than
-half the budget counts as half: it would run in segments anyway) and `max_seqs` sequences. Building (`build_tree`): a span shared by at least two sequences and
-`min_shared` positions long becomes a node with one row; what is left of each sequence under a node (at least one
-position each) becomes a row of that node's leaf batch. Shared spans may hold loss rows: where members of a node
-score the same position, its hidden state is computed once and each (position, target) pair is scored once; every
-member's loss token then takes its pair (`PrefixTree.gather`), so the objective (rl/algos/) sees its usual flat [N]
-layout, sequence by sequence, and the gradients of a shared log π sum over the members that read it.
+half the budget counts as half: it would run in segments anyway) and `max_seqs` sequences.
+
+Building (`build_tree`): a span shared by at least two sequences and `min_shared` positions long becomes a node with
+one row; what is left of each sequence under a node (at least one position each) becomes a row of that node's leaf
+batch. Shared spans may hold loss rows: where members of a node score the same position, its hidden state is
+computed once and each (position, target) pair is scored once; every member's loss token then takes its pair
+(`PrefixTree.gather`), so the objective (rl/algos/) sees its usual flat [N] layout, sequence by sequence, and the
+gradients of a shared log π sum over the members that read it.
 
 Run by rl/train/segments.py (K3 segment by segment, or one graph through model/policy.py `Policy.tree_hidden`).
 """

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from k3rl.envs.base import Env
 
-BUILTIN_MODULES = ("k3rl.envs.search", "k3rl.envs.longctx")
+BUILTIN_MODULES = ("k3rl.envs.search", "k3rl.envs.longctx", "k3rl.envs.visual")
 ENTRY_POINT_GROUP = "k3rl.envs"
 
 _REGISTRY: dict[str, Entry] = {}

@@ -434,9 +434,11 @@ def run_episode(
     policy: TextPolicy,
     budget: Budget | None = None,
     count_tokens: Callable[[str], int] | None = None,
+    image_patch: int | None = None,
 ) -> EpisodeResult:
-    """Run ``policy`` (messages so far -> next assistant text) on ``task`` for one episode."""
-    episode = Episode(env, task, budget, count_tokens)
+    """Run ``policy`` (messages so far -> next assistant text) on ``task`` for one episode (``image_patch``: the
+    patch size of a model that reads images)."""
+    episode = Episode(env, task, budget, count_tokens, image_patch)
     while not episode.done:
         episode.step(policy([dict(m) for m in episode.messages]))
     return episode.result()

@@ -145,6 +145,14 @@ def read_config(directory: str | Path) -> Any:
     return config_from_dict(raw, images_file=(directory / PATCH_FILE).is_file(), source=directory / CONFIG_FILE)
 
 
+def image_patch_of(directory: str | Path) -> Optional[int]:
+    """The patch size of a K3 directory whose model reads images (envs/media.py), else None (any other model)."""
+    if not is_k3_dir(directory):
+        return None
+    config = read_config(directory)
+    return None if getattr(config, "media_placeholder_token_id", None) is None else int(config.image_patch_size)
+
+
 def config_from_dict(raw: Mapping[str, Any], images_file: bool = False, source: Any = CONFIG_FILE) -> Any:
     """`K3Config` of a config.json dict. `images_file`: the directory has k3rl's patch weights; a released
     kimi_k3 config without them is read as the text model (images off: its ViT is not built here)."""

@@ -9,7 +9,9 @@ rollout/agent_loop.py): the opening messages rendered once with the generation p
 rendered as the observation delta (mask 0). A turn that ends with `</tool_call>` is where the
 engine stops, so no EOS follows it; a turn without a call would end with the EOS the model
 samples (mask 1). The terminal tool's result is left out, as the agent loop leaves it out.
-The transcript is never re-templated as a whole, so what SFT trains is what rollouts see.
+The transcript is never re-templated as a whole, so what SFT trains is what rollouts see. For a model that reads
+images (`image_patch`), the episodes show them and each row carries their pixels beside the ids (`images`: the flat
+RGB uint8 bytes, `image_shapes`: (H, W) per image, in media-run order; rollout/trajectory.py).
 Imperfect teachers can stand in for the oracle on a seeded fraction of the tasks
 (`sft.closed_book_rate`: answer at once with a guess; `sft.hedging_rate`: the oracle's episode
 with a hedged answer), so that SFT leaves RL something only the reward can teach.
@@ -61,7 +63,8 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
                            tasks: Sequence[Any] | None = None, min_reward: float = 1.0,
                            max_length: int | None = None, max_turn_tokens: int | None = None,
                            max_turns: int | None = None, closed_book_rate: float = 0.0, hedging_rate: float = 0.0,
-                           hedge: str = HedgingPolicy.suffix, teacher_seed: int = 0) -> DemoReport:
+                           hedge: str = HedgingPolicy.suffix, teacher_seed: int = 0,
+                           image_patch: int | None = None) -> DemoReport:
     """Play the oracle of `env_name` on `tasks` (default: `env.tasks(n, seed)`) and render the
     successful episodes (see `rollout.chat.render_transcript`).
 
@@ -74,17 +77,17 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
 
     import k3rl.envs as envs
     from k3rl.envs.base import run_episode, with_budget
-    from k3rl.rollout.chat import ChatRenderer, render_transcript
+    from k3rl.rollout.chat import ChatRenderer, images_of, render_transcript
 
     if not (0.0 <= closed_book_rate and 0.0 <= hedging_rate and closed_book_rate + hedging_rate < 1.0):
         raise ValueError(f"closed_book_rate + hedging_rate: each ≥ 0 and together < 1, got {closed_book_rate} "
                          f"and {hedging_rate}")
-    renderer = ChatRenderer(tokenizer)
+    renderer = ChatRenderer(tokenizer, image_patch=image_patch)
     env = envs.make(env_name, tokenizer=tokenizer, **(env_kwargs or {}))
     tasks = env.tasks(n, seed) if tasks is None else list(tasks)
     budget = env.budget if max_turns is None else with_budget(env.budget, max_turns=max_turns)
     count = lambda s: len(renderer.encode_text(s, tool_result=True))  # noqa: E731  (observations clipped as the agent loop clips them)
-    results = [run_episode(env, task, env.oracle(task), budget, count) for task in tasks]
+    results = [run_episode(env, task, env.oracle(task), budget, count, image_patch) for task in tasks]
     solved = [r.reward >= min_reward for r in results]
     rng = random.Random(teacher_seed)
     teacher = []
@@ -98,13 +101,14 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
         if teacher[i] == "oracle" or not solved[i]:
             continue
         if teacher[i] == "hedging":
-            results[i] = run_episode(env, task, HedgingPolicy(env.oracle(task), env, hedge), budget, count)
+            results[i] = run_episode(env, task, HedgingPolicy(env.oracle(task), env, hedge), budget, count,
+                                     image_patch)
         else:
             others = [c for j, c in calls if j != i]
             if not others:
                 raise ValueError(f"closed_book_rate: no other oracle episode of {env_name!r} ended with a terminal "
                                  f"call to take a guess from")
-            results[i] = run_episode(env, task, ClosedBookPolicy(rng.choice(others)), budget, count)
+            results[i] = run_episode(env, task, ClosedBookPolicy(rng.choice(others)), budget, count, image_patch)
     rows, dropped = [], Counter()
     for i, (task, result) in enumerate(zip(tasks, results)):
         if not solved[i]:
@@ -118,8 +122,12 @@ def collect_demonstrations(env_name: str, n: int, seed: int, tokenizer, env_kwar
             dropped["turn_length"] += 1
             continue
         task_id = str(task.get("id", i)) if isinstance(task, dict) else str(i)
+        last = max(k for k, m in enumerate(result.messages) if m["role"] == "assistant")
+        shown = [p.pixels for p in images_of(result.messages[:last + 1])]  # as render_transcript: up to the last turn
         rows.append({"input_ids": ids, "assistant_masks": mask, "task_id": task_id, "reward": float(result.reward),
-                     "turns": len(turns), "prompt_tokens": mask.index(1), "teacher": teacher[i]})
+                     "turns": len(turns), "prompt_tokens": mask.index(1), "teacher": teacher[i],
+                     "images": b"".join(p.tobytes() for p in shown) if shown else None,
+                     "image_shapes": [list(p.shape[:2]) for p in shown] if shown else None})
     return DemoReport(rows, len(tasks), dict(dropped))
 
 

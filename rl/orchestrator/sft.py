@@ -144,6 +144,7 @@ def run_sft(cfg) -> Path:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     model_dir = Path(sft.model_dir) if sft.model_dir is not None else init_model(cfg.model, run_dir / "init", run.seed)
+    from k3rl.model.formats.config_json import image_patch_of
     from k3rl.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(run.trust_remote_code))
@@ -157,7 +158,7 @@ def run_sft(cfg) -> Path:
                                         min_reward=sft.min_reward, max_length=cfg.rollout.max_context_tokens,
                                         max_turn_tokens=cfg.rollout.max_new_tokens, max_turns=cfg.rollout.max_turns,
                                         closed_book_rate=sft.closed_book_rate, hedging_rate=sft.hedging_rate,
-                                        hedge=sft.hedge, teacher_seed=task_seed)
+                                        hedge=sft.hedge, teacher_seed=task_seed, image_patch=image_patch_of(model_dir))
     except NotImplementedError as e:
         raise ConfigError(f"environment {env_name!r}: {e}") from None
     print(report.line() + f" [{time.perf_counter() - started:.1f} s]", flush=True)
@@ -167,7 +168,8 @@ def run_sft(cfg) -> Path:
                           f"sft.min_reward, rollout.max_context_tokens and rollout.max_new_tokens")
 
     learner, steps = make_learner(cfg, model_dir, len(report.rows))
-    examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in report.rows]
+    examples = [as_trajectory(r["input_ids"], r["assistant_masks"], r.get("images"), r.get("image_shapes"))
+                for r in report.rows]
     batches = step_batches(len(examples), sft.batch_size * sft.grad_accum, steps, run.seed)
     logger = MetricsLogger(run_dir, total_steps=steps, resume_step=-1, label="SFT", headline=SFT_HEADLINE,
                            sinks=open_sinks(cfg, run_dir, -1))

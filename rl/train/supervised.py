@@ -29,16 +29,23 @@ _MEAN_KEYS = ("loss", "nll", "entropy", "grad_norm", "grad_clipped", "skipped", 
 _SUM_KEYS = ("num_loss_tokens", "num_tokens", "num_seqs")
 
 
-def as_trajectory(input_ids: Sequence[int], loss_mask: Sequence[int]) -> Trajectory:
+def as_trajectory(input_ids: Sequence[int], loss_mask: Sequence[int], images: bytes | None = None,
+                  image_shapes: Sequence[Sequence[int]] | None = None) -> Trajectory:
     """A supervised sequence as a learner trajectory (trained where `loss_mask` is 1, predicting each
-    token from the ones before it)."""
+    token from the ones before it); `images` (flat RGB uint8 bytes) and their (H, W) `image_shapes` ride along
+    (rl/orchestrator/demonstrations.py)."""
     tokens = np.asarray(input_ids, dtype=np.int32)
     mask = np.asarray(loss_mask, dtype=np.uint8)
     if tokens.ndim != 1 or mask.shape != tokens.shape:
         raise ValueError(f"input_ids {tokens.shape} and loss_mask {mask.shape} must be equal 1-D sequences")
     n = len(tokens)
+    pixels = shapes = None
+    if images is not None:
+        pixels = np.frombuffer(images, dtype=np.uint8)
+        shapes = np.asarray(image_shapes, dtype=np.int32).reshape(-1, 2)
     return Trajectory(tokens=tokens, loss_mask=mask, logprobs=np.zeros(n, np.float32),
-                      versions=np.full(n, -1, np.int32), turn_spans=np.zeros((0, 2), np.int32), prompt_len=0)
+                      versions=np.full(n, -1, np.int32), turn_spans=np.zeros((0, 2), np.int32), prompt_len=0,
+                      images=pixels, image_shapes=shapes)
 
 
 def num_steps(n: int, per_step: int, max_steps: int, epochs: float) -> int:

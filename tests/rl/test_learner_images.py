@@ -161,3 +161,25 @@ def test_a_wrong_patch_count_is_named(k3_images):
         learner.score([t])
     with pytest.raises(ValueError, match="reads none"):
         to_train_sequence(batch()[0], 0.0, None)
+
+
+def test_demonstrations_carry_their_images():
+    """SFT rows of an environment that shows images (rl/orchestrator/demonstrations.py): the pixels beside the ids,
+    one patch per placeholder once they are a trajectory (rl/train/supervised.py `as_trajectory`)."""
+    from k3rl.envs.registry import tokenizer_texts
+    from k3rl.model.init import train_builtin_tokenizer
+    from k3rl.rl.config import load_model_config
+    from k3rl.rl.orchestrator.demonstrations import collect_demonstrations
+    from k3rl.rl.train.supervised import as_trajectory
+
+    tok = train_builtin_tokenizer(load_model_config("configs/model/tiny.yaml"), tokenizer_texts())
+    pad = tok.convert_tokens_to_ids("<|media_pad|>")
+    report = collect_demonstrations("digits", 4, 0, tok, {"serve": "context", "records": 3}, image_patch=14)
+    assert len(report.rows) == 4
+    for row in report.rows:
+        t = as_trajectory(row["input_ids"], row["assistant_masks"], row["images"], row["image_shapes"])
+        assert [p.shape for p in t.pixels()] == [(28, 28, 3)] * 3
+        s = to_train_sequence(t, 0.0, (pad, 14))
+        assert len(s.patches) == 12 == int((s.patch_at >= 0).sum())
+    with pytest.raises(Exception, match="no_image_input|reads no images"):
+        report = collect_demonstrations("digits", 1, 0, tok, {"serve": "context"})

@@ -10,8 +10,9 @@ Serving: `search` (default): `search(query)` shows the best-matching record (wor
 as text and its stamp; `context`: every record and its stamp in the prompt. `answer(text)` ends the episode:
 exact match on the digit (`em`, the success metric), which is also the reward.
 
-Held-out stamps: `split: train` draws scans 0–1,399, `split: test` scans 1,400–1,796, `all` any; a model evaluated
-on `test` has never seen those pixels in training on `train`.
+Held-out stamps: `split: train` draws scans 0–1,399, `split: test` scans 1,400–1,796, `all` any; `by_seed` (the
+default) draws test scans for task seeds from 1,000,000 on (the trainer's and `k3rl sft`'s held-out seed,
+`eval.seed`, is 1,000,003) and train scans below, so held-out tasks show handwriting no training task showed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from k3rl.envs.longctx.needle import OBJECTS, ROLES
 from k3rl.envs.registry import register
 from k3rl.envs.tools import tool
 
-SPLITS = {"train": (0, 1400), "test": (1400, 1797), "all": (0, 1797)}
+SPLITS = {"train": (0, 1400), "test": (1400, 1797), "all": (0, 1797), "by_seed": None}
+HELD_OUT_SEEDS = 1_000_000
+"""`split: by_seed` draws test scans for task seeds from here on."""
 
 
 @lru_cache(maxsize=1)
@@ -59,7 +62,7 @@ class Digits(Env):
     system_prompt = "You answer questions about the registry with tools. Answer with the digit alone."
     success_metric = "em"
 
-    def __init__(self, records: int = 6, serve: str = "search", size: int = 28, split: str = "all",
+    def __init__(self, records: int = 6, serve: str = "search", size: int = 28, split: str = "by_seed",
                  tool_prompt: str = "compact"):
         if serve not in ("search", "context"):
             raise ValueError(f"serve: {serve!r} is not one of search, context")
@@ -77,7 +80,8 @@ class Digits(Env):
     def tasks(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         """`n` tasks: `records` distinct (role, object) pairs, each with a scan of the split; one is asked."""
         rng = random.Random(f"digits:{seed}")
-        lo, hi = SPLITS[self.split]
+        split = self.split if self.split != "by_seed" else "test" if seed >= HELD_OUT_SEEDS else "train"
+        lo, hi = SPLITS[split]
         labels = _scans()[1]
         pairs = [(r, o) for r in ROLES for o in OBJECTS]
         out = []

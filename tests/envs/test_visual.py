@@ -50,6 +50,9 @@ def test_splits_are_disjoint_scans_and_stamps_are_real_digits():
     train = {s for t in make("digits", split="train").tasks(200, seed=0) for _, _, s in t["records"]}
     test = {s for t in make("digits", split="test").tasks(200, seed=0) for _, _, s in t["records"]}
     assert not train & test and max(train) < SPLITS["train"][1] <= min(test)
+    by_seed = make("digits")  # the default: held-out seeds (the trainer's eval.seed) show test scans
+    assert {s for t in by_seed.tasks(100, seed=0) for _, _, s in t["records"]} <= set(range(1400))
+    assert {s for t in by_seed.tasks(100, seed=1_000_003) for _, _, s in t["records"]} <= set(range(1400, 1797))
     img = stamp(0, 28)
     assert img.dtype == np.uint8 and img.shape == (28, 28, 3) and img.min() < 100 and img.max() == 255
 

@@ -21,6 +21,7 @@ Budgets (envs/base.py `Budget`): `max_image_pixels` per image (before fitting; m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,33 @@ def content_parts(value: Any) -> list[Any] | None:
     return None
 
 
+def data_url(image: ImagePart) -> str:
+    """The image as a PNG `data:` URL, as OpenAI's chat API takes it in an `image_url` content part."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image.pixels, "RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def openai_content(content: Any, wrap: Callable[[str], str] | None = None, clean: Callable[[str], str] = str
+                   ) -> Any:
+    """A message's content for an OpenAI-compatible server: text as it is (`clean`ed, then `wrap`ped), content with
+    images as `text` and `image_url` parts (each text part `clean`ed, the whole wrapped around them)."""
+    if not isinstance(content, list):
+        text = clean(content)
+        return wrap(text) if wrap is not None else text
+    parts = [{"type": "image_url", "image_url": {"url": data_url(p)}} if isinstance(p, ImagePart)
+             else {"type": "text", "text": clean(p)} for p in content]
+    if wrap is not None:
+        head, _, tail = wrap("\x00").partition("\x00")
+        parts = [{"type": "text", "text": head}, *parts, {"type": "text", "text": tail}]
+    return parts
+
+
 def message_text(content: Any) -> str:
     """The text of a message's content, an image shown as `[image W×H]` (logs, transcripts, token estimates)."""
     if isinstance(content, str) or content is None:
@@ -171,5 +199,5 @@ def message_text(content: Any) -> str:
     return "".join(out)
 
 
-__all__ = ["ImageError", "ImagePart", "MAX_ASPECT", "check_image", "content_parts", "fit_to_patches", "is_image",
-           "message_text", "num_patches"]
+__all__ = ["ImageError", "ImagePart", "MAX_ASPECT", "check_image", "content_parts", "data_url", "fit_to_patches",
+           "is_image", "message_text", "num_patches", "openai_content"]

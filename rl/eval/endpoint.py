@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from k3rl.rl.eval.cells import GridTask
 
 COUNTERS = ("turns", "tool_calls", "observation_tokens", "tool_seconds")
+ENDPOINT_IMAGE_PATCH = 14
+"""Images sent to a served model are fitted to 14-pixel patches (the released K3 ViT's) before they go as PNG; the
+server's own processor takes them from there."""
 """Episode counters that are not reward components (rollout/agent_loop.py keeps them apart the same way)."""
 
 
@@ -35,6 +38,7 @@ class ChatPolicy:
     message the special tokens' strings (`<|im_end|>`, `<|media_pad|>`, …) are broken by a word joiner, in tool
     results every added token's too (`<tool_call>`, `</tool_response>`, …), so a passage cannot end a turn or
     forge a call — `patterns` holds (special, added) `control_pattern`s of the evaluated model's tokenizer.
+    Images (envs/media.py) go as `image_url` parts holding PNG data URLs, beside the text parts.
     Tool results are sent as user messages wrapped in `<tool_response>` (what Qwen-style templates render a
     tool message as): the `tool` role of the OpenAI API needs a `tool_call_id` of a structured call, which
     this text protocol has not. A server that strips the stop string (the OpenAI API does) gets it put back,
@@ -52,12 +56,15 @@ class ChatPolicy:
         self.truncated = False
 
     def __call__(self, messages: list[dict[str, Any]]) -> str:
+        from k3rl.envs.media import openai_content
         from k3rl.envs.tools import STOP_SEQUENCES, TOOL_CALL_END, TOOL_CALL_START, format_observation
         from k3rl.rollout.chat import neutralize
 
         special, added = self.patterns
-        chat = [{"role": "user", "content": format_observation(neutralize(m["content"], added)[0])}
-                if m["role"] == "tool" else {"role": m["role"], "content": neutralize(m["content"], special)[0]}
+        chat = [{"role": "user", "content": openai_content(m["content"], format_observation,
+                                                            lambda t: neutralize(t, added)[0])}
+                if m["role"] == "tool" else
+                {"role": m["role"], "content": openai_content(m["content"], None, lambda t: neutralize(t, special)[0])}
                 for m in messages]
         if self.lock is not None:
             self.lock.release()
@@ -145,7 +152,7 @@ class EndpointRunner:
             with self._lock:  # environment code one episode at a time; the policy lets go while the server works
                 env = self.make_env()
                 budget = with_budget(env.budget, max_turns=self.max_turns)
-                result = run_episode(env, task, policy, budget, self.count)
+                result = run_episode(env, task, policy, budget, self.count, image_patch=ENDPOINT_IMAGE_PATCH)
                 own = tokens_read(result.messages, self.tokenizer)
         except EndpointError as e:  # after the retries: this task's error, with the kind a resume reads
             return ChatEpisode(seconds=time.perf_counter() - started, error=f"{type(e).__name__}: {e}",

@@ -236,3 +236,38 @@ def test_usage_that_is_not_a_consistent_count_gives_the_tokenizers_with_a_note(u
     policy.usage = usage
     read, note = policy.tokens_read(own=120)
     assert read == 120 and "tokenizer's count" in note
+
+
+def test_images_go_to_the_server_as_png_data_urls():
+    """A tool result with an image (envs/media.py) is sent as text and `image_url` parts; the PNG decodes to the
+    fitted pixels exactly; media strings in its text are broken as in any tool result."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from k3rl.envs.media import ImagePart
+    from k3rl.rl.eval.endpoint import ChatPolicy
+    from k3rl.rollout.chat import control_pattern
+
+    class Media:
+        all_special_tokens = ["<|media_pad|>"]
+        added_tokens_decoder = {}
+
+    pixels = np.random.default_rng(0).integers(0, 256, (28, 14, 3), dtype=np.uint8)
+    client = FakeChat([reply('<tool_call>{"name": "answer", "arguments": {"text": "3"}}')])
+    patterns = (control_pattern(Media()), control_pattern(Media(), special_only=False))
+    policy = ChatPolicy(client, "m", 16, patterns=patterns)
+    policy([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "look"},
+            {"role": "tool", "content": ["stamp <|media_pad|>: ", ImagePart(pixels, (14, 28)), " end"]}])
+    sent = client.sent[0][-1]
+    assert sent["role"] == "user" and [p["type"] for p in sent["content"]] == ["text", "text", "image_url", "text",
+                                                                                "text"]
+    assert sent["content"][0]["text"] == "<tool_response>\n" and sent["content"][-1]["text"] == "\n</tool_response>"
+    assert "<|media_pad|>" not in sent["content"][1]["text"] and "media_pad" in sent["content"][1]["text"]
+    url = sent["content"][2]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    back = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+    assert (back == pixels).all()

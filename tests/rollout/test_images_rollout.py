@@ -7,26 +7,26 @@ sampled as one prompt."""
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
 
 import k3rl.envs.tools as T
-from k3rl.envs import Env, tool
+from k3rl.envs import tool
 from k3rl.envs.base import Budget
 from k3rl.model.vision import image_patches, pixel_values_of
 from k3rl.rollout.agent_loop import AgentLoop, EpisodeRequest
 from k3rl.rollout.engine import SamplingParams
 from k3rl.rollout.torch_engine import TorchEngine
 from tests.model.k3_factory import make_config, make_model
+from tests.rollout.test_state_reuse import Probe, every_text_is_a_call
 
 P = 4
 
 
-class Pictures(Env):
-    """A task shows a picture; `look` shows one or two more between text; `answer` ends from the third turn on."""
+class Pictures(Probe):
+    """tests/rollout/test_state_reuse.py's `Probe` with pictures: the task shows one, `look` one or two more between
+    text; `answer` ends from the third turn on."""
 
     def reset(self, task):
         self.turn, self.rng = 0, np.random.default_rng(task["seed"])
@@ -37,7 +37,7 @@ class Pictures(Env):
         return self.rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
 
     @tool
-    def look(self, k: int) -> str:
+    def look(self, k: int):
         """Look.
 
         Args:
@@ -45,19 +45,6 @@ class Pictures(Env):
         """
         self.turn += 1
         return [f"view {k}: ", self.picture()] + ([" and ", self.picture()] if k % 2 else [])
-
-    @tool(terminal=True)
-    def answer(self) -> float:
-        """Answer."""
-        self.turn += 1
-        if self.turn < 3:
-            raise ValueError("too early to answer")
-        return 1.0
-
-
-def every_text_is_a_call(text: str):
-    h = zlib.crc32(text.encode())
-    return T.ToolCall("answer", {}) if h % 3 == 0 else T.ToolCall("look", {"k": 1 + h % 5})
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +88,12 @@ def test_image_episodes_sample_what_a_full_forward_scores(model, tokenizer, monk
     assert engine.stats.resumed_prompts > 0  # later turns' images went on top of kept states
     full, _ = run(model, tokenizer, reuse_state=False, prefill_tokens=7)  # segments cut through media runs
     pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    assert max(len(a.image_shapes) for a in reused) >= 3  # the task's picture and tool results' in later turns
     for a, b in zip(reused, full):
         assert a.tokens.tolist() == b.tokens.tolist()
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
         assert a.images.tobytes() == b.images.tobytes()
         assert int((a.tokens == pad).sum()) == sum((h // P) * (w // P) for h, w in a.image_shapes)
-        assert len(a.image_shapes) >= 2  # the task's picture and at least one tool result's
         # trajectories keep log-probs in float32: equal to the float64 forward up to that rounding
         np.testing.assert_allclose(a.logprobs[a.loss_mask.astype(bool)], full_logprobs(model, a), rtol=2.0**-23, atol=0)
 

@@ -58,8 +58,8 @@ def group(episodes: int, sequences: int, prompt: int, first_turn: int, agree: in
 
 def computed_tokens(learner, trajectories) -> int:
     """Positions the learner's units compute: each shared span once, every row's own positions."""
+    from k3rl.rl.train.advantages import compute_advantages
     from k3rl.rl.train.batching import to_train_sequence
-    from k3rl.rl.train.learner import compute_advantages
     from k3rl.rl.train.units import make_units
 
     advantages = compute_advantages(learner.algo, trajectories)

@@ -29,7 +29,7 @@ summary turn is sampled (and trained) like any other, and the episode goes on as
 [system, task, summary] (`SUMMARY_HEADER` + the summary's text, in a user message): the environment keeps its
 state, the engine prefills the short new context once (a new session, whose state later turns reuse). A
 compacted episode ends as several trajectories sharing its `episode_id` and reward (`run` hands them back as a
-list); they count as one sample of the group (rl/train/learner.py `compute_advantages`).
+list); they count as one sample of the group (rl/train/advantages.py `compute_advantages`).
 
 The environment sees only text; the engine sees only tokens; the loop is the one place where
 they meet.

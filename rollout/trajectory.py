@@ -57,7 +57,7 @@ class Trajectory:
     episode_id: str = ""
     """The episode this sequence belongs to when an episode has several (an agent that edits or summarises its
     history, rollout/agent_endpoint.py): its sequences share the id and the reward, and count as one sample of
-    their group (rl/train/learner.py `compute_advantages`). "": the trajectory is its episode."""
+    their group (rl/train/advantages.py `compute_advantages`). "": the trajectory is its episode."""
     routed_experts: np.ndarray | None = None
     """[N, moe_layers, top_k] int16 expert ids chosen for each token (routing replay), or None."""
     position_ids: np.ndarray | None = None

@@ -26,7 +26,8 @@ import torch
 from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.algos import get_algo
 from k3rl.rl.train import parallel
-from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
+from k3rl.rl.train.advantages import compute_advantages
+from k3rl.rl.train.learner import Learner, LearnerConfig
 from k3rl.rl.train.supervised import as_trajectory, num_steps, step_batches, train_supervised
 from k3rl.rollout.weight_transfer import pack_weights
 

@@ -1,7 +1,7 @@
 """The learner: one data-parallel rank of training (`Learner`); `train_step(trajectories)` is one optimizer step of
 the configured objective (rl/algos/) on this rank's share of the batch.
 
-Advantages per group (`compute_advantages`); trajectories become sequences run as micro-batch units within
+Advantages per group (rl/train/advantages.py `compute_advantages`); trajectories become sequences run as micro-batch units within
 `micro_batch_tokens` (rl/train/batching.py, rl/train/units.py): shared prefixes computed once as prefix trees
 (rl/train/prefix_tree.py), a unit longer
 than `segment_tokens` run segment by segment (rl/train/segments.py). log π comes from the policy's final hidden states
@@ -33,11 +33,12 @@ import torch
 from k3rl.model.policy import Policy, load_policy
 from k3rl.rl import checkpoint as ckpt
 from k3rl.rl.algos import get_algo
-from k3rl.rl.algos.base import Algorithm, LossInputs
+from k3rl.rl.algos.base import LossInputs
 from k3rl.rl.config import LearnerSettings
 from k3rl.rl.config.checks import check_learner_settings
 from k3rl.rl.config.learner import LoraSettings
 from k3rl.rl.train import learner_state, lora, parallel, router_balance, segments, units
+from k3rl.rl.train.advantages import compute_advantages
 from k3rl.rl.train.batching import TrainSequence, collate, to_train_sequence
 from k3rl.rl.train.optim import build_optimizers, build_schedulers, state_bytes
 
@@ -102,35 +103,6 @@ class LearnerConfig(LearnerSettings):
         if getattr(section, "num_ranks", None) is not None:
             cfg.check_ranks(int(section.num_ranks))
         return cfg
-
-
-def compute_advantages(algo: Algorithm, trajectories: Sequence[Any]) -> np.ndarray:
-    """Sequence advantages [B] (float32) from each trajectory's reward, per `group_id` (all 1 for an
-    objective that uses no rewards, rl/algos/nll.py). The samples of a group are its episodes: the sequences of one
-    episode (a shared non-empty `episode_id`) count once, with their episode's reward, and each gets the
-    episode's advantage, applied to every sampled token of it."""
-    if not trajectories:
-        return np.zeros(0, dtype=np.float32)
-    if not algo.uses_rewards:
-        return np.ones(len(trajectories), dtype=np.float32)
-    missing = [i for i, t in enumerate(trajectories) if not t.group_id]
-    if missing:
-        raise ValueError(f"trajectories {missing[:5]} have no group_id; group-relative advantages need one "
-                         f"(the trainer sets it to the task's sample group)")
-    episodes: dict[tuple[str, str], int] = {}
-    rewards, groups, of = [], [], []
-    for i, t in enumerate(trajectories):
-        key = (t.group_id, getattr(t, "episode_id", "") or f"#{i}")
-        if key not in episodes:
-            episodes[key] = len(rewards)
-            rewards.append(float(t.reward))
-            groups.append(t.group_id)
-        elif float(t.reward) != rewards[episodes[key]]:
-            raise ValueError(f"episode {key[1]!r} of group {key[0]!r}: its sequences carry different rewards "
-                             f"({rewards[episodes[key]]} and {t.reward})")
-        of.append(episodes[key])
-    per_episode = algo.batch_advantages(torch.tensor(rewards, dtype=torch.float64), groups)  # [episodes]
-    return per_episode[torch.tensor(of)].float().numpy()
 
 
 class Learner:

@@ -117,7 +117,8 @@ def test_expert_parallel_fsdp_learner_equals_one_rank(tmp_path):
     from k3rl.model.formats.load import load_model
     from k3rl.rl import checkpoint as ckpt
     from k3rl.rl.algos import get_algo
-    from k3rl.rl.train.learner import Learner, compute_advantages
+    from k3rl.rl.train.advantages import compute_advantages
+    from k3rl.rl.train.learner import Learner
 
     model_dir = _model_dir(tmp_path)
     trajectories = _trajectories()

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from k3rl.rl.train import router_balance
+from k3rl.rl.train.advantages import compute_advantages
 from k3rl.rl.train.batching import to_train_sequence
-from k3rl.rl.train.learner import Learner, LearnerConfig, compute_advantages
+from k3rl.rl.train.learner import Learner, LearnerConfig
 from k3rl.rollout.trajectory import TrajectoryBuilder
 from tests.model.k3_factory import make_config, make_model
 

@@ -198,10 +198,10 @@ def test_inconsistent_lengths_are_named():
 
 
 def test_an_episodes_sequences_count_once_in_their_group():
-    """rl/train/learner.py `compute_advantages`: the sequences of one episode (shared `episode_id`) are one sample
+    """rl/train/advantages.py `compute_advantages`: the sequences of one episode (shared `episode_id`) are one sample
     of their group, with the episode's reward, and each gets that episode's advantage; the rest is GRPO's."""
     from k3rl.rl.algos import get_algo
-    from k3rl.rl.train.learner import compute_advantages
+    from k3rl.rl.train.advantages import compute_advantages
 
     def seq(group, episode, reward):
         t = build()

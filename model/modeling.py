@@ -199,13 +199,14 @@ class K3Model(K3PreTrainedModel):
         self.embed_tokens = value
 
     def forward(self, input_ids: torch.Tensor, step: StepInfo, pixel_values=None,
-                routed_expert_ids: torch.Tensor | None = None, routing_mask: torch.Tensor | None = None) -> torch.Tensor:
+                routed_expert_ids: torch.Tensor | None = None, routing_mask: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] → h_final [B, T, d] (pre-norm, spec §1 step 3)."""
         h = self.embed_tokens(input_ids)  # [B, T, d]
         if pixel_values is not None:
             if not hasattr(self, "patch_embed"):
                 raise ValueError("pixel_values: this model has no image input (media_placeholder_token_id is null)")
-            h = self.patch_embed.fuse(input_ids, h, pixel_values)
+            h = self.patch_embed.fuse(input_ids, h, pixel_values, image_mask)
         stream = ResidualStream.start(h, self.config.attn_res_block_size)
         moe_idx = 0
         for layer in self.layers:
@@ -270,12 +271,15 @@ class K3ForCausalLM(K3PreTrainedModel):
         routing_mask: torch.Tensor | None = None,
         return_hidden_states: bool = False,
         position_ids: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> K3CausalLMOutput:
         """Training, prefill or decode step.
 
         Args:
             input_ids: [B, T] new tokens (T ≥ 1).
             pixel_values: images for the media placeholders in `input_ids` (see model/vision.py).
+            image_mask: [B, T] bool, the placeholders that take `pixel_values` (default: every placeholder token; one
+                outside it, e.g. sampled by the model, is embedded as an ordinary token).
             cache: decode state to continue from and update in place; None with `use_cache=True`
                 creates one (returned in the output).
             labels: [B, T] targets aligned with input_ids (shifted inside; -100 ignored).
@@ -302,7 +306,7 @@ class K3ForCausalLM(K3PreTrainedModel):
             cache = self.new_cache(input_ids.shape[0], capacity=input_ids.shape[1])
         step = make_step(tuple(input_ids.shape), input_ids.device, cache, attention_mask,
                          self.config.max_position_embeddings, position_ids)
-        h = self.model(input_ids, step, pixel_values, routed_expert_ids, routing_mask)  # [B, T, d]
+        h = self.model(input_ids, step, pixel_values, routed_expert_ids, routing_mask, image_mask)  # [B, T, d]
         if cache is not None:
             cache.commit(input_ids.shape[1])
         kept = _keep(h, logits_to_keep)

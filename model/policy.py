@@ -165,7 +165,7 @@ class Policy:
                      routed_expert_ids: Optional[torch.Tensor] = None,
                      rows: Optional[torch.Tensor] = None,
                      position_ids: Optional[torch.Tensor] = None,
-                     pixel_values: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     images: Optional[dict] = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, d], or [N, d] for the positions of the bool mask
         `rows` [B, T]. `attention_mask` [B, T] (0 on padding) is passed to non-K3 models; K3 needs none for
         right padding and takes it as its routing mask, so padding stays out of the router statistics;
@@ -177,8 +177,8 @@ class Policy:
         attention_mask=None, from which transformers derives the same block-diagonal causal mask
         (`find_packed_sequence_indices`; their attention implementation must honour it).
 
-        `pixel_values` [n, C, p, p]: the patches of the image placeholders of `input_ids`, row-major (K3 with image
-        input, model/vision.py); other models refuse them."""
+        `images`: the image arguments of `input_ids`' placeholders (model/vision.py `image_inputs`: `pixel_values`,
+        `image_mask`; K3 with image input); other models refuse them."""
         raise NotImplementedError
 
     def tree_hidden(self, nodes: list[BranchNode], patch_table: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -199,7 +199,7 @@ class Policy:
         (K3: KDA and conv states carried, MLA's latents appended and attended by query block; HF: its KV cache),
         so the activations of one step stay bounded by the segment, not the prompt. Images (K3 with image input):
         `patch_ids` [B, T] marks each placeholder's patch in `patch_table` [M, C, p, p] uint8 (-1 elsewhere); a
-        segment takes the patches of its own placeholders (model/vision.py `placeholder_pixels`)."""
+        segment takes the patches of its own placeholders (model/vision.py `image_inputs`)."""
         raise NotImplementedError
 
     def decode(self, new: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
@@ -250,15 +250,16 @@ class K3Policy(Policy):
         self.model.model.set_recompute(mode)  # model/modeling.py RECOMPUTE_MODES
 
     def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None,
-                     pixel_values=None):
+                     images=None):
         mask = None if attention_mask is None else attention_mask.bool()
-        out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask, pixel_values=pixel_values,
+        out = self.model(input_ids, routed_expert_ids=routed_expert_ids, routing_mask=mask, **(images or {}),
                          return_hidden_states=True, position_ids=position_ids, **self._keep)
         h = out.hidden_states if rows is None else out.hidden_states[rows]
         return self.model.model.norm(h)
 
     def tree_hidden(self, nodes, patch_table=None):
-        from k3rl.model.vision import placeholder_pixels
+        from k3rl.model.vision import image_inputs
+
         capacity = max(n.start + n.ids.shape[1] for n in nodes)
         parents = {n.parent for n in nodes}
         caches, out = {}, []
@@ -269,23 +270,22 @@ class K3Policy(Policy):
             else:  # a copy of the parent's state per row (`K3Cache.select`): the parent's stays for its other children
                 cache = caches[node.parent].select(torch.zeros(b, dtype=torch.long, device=node.ids.device))
             o = self.model(node.ids, cache=cache, routed_expert_ids=node.routed, routing_mask=node.valid,
-                           pixel_values=placeholder_pixels(patch_table, node.patch_ids), return_hidden_states=True,
-                           logits_to_keep=1)
+                           **image_inputs(patch_table, node.patch_ids), return_hidden_states=True, logits_to_keep=1)
             if k in parents:
                 caches[k] = cache
             out.append(o.hidden_states[node.read_b, node.read_t])
         return self.model.model.norm(torch.cat(out))
 
     def prefill(self, ids, mask, capacity, segment_tokens=None, patch_ids=None, patch_table=None):
-        from k3rl.model.vision import placeholder_pixels
+        from k3rl.model.vision import image_inputs
 
         B, T = ids.shape
         seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         cache = self.model.new_cache(B, capacity=capacity)
         cache.pad_len = (mask == 0).sum(1).to(cache.pad_len)  # padding sits in the first columns
         for lo in range(0, T, seg):
-            pixels = None if patch_ids is None else placeholder_pixels(patch_table, patch_ids[:, lo:lo + seg])
-            out = self.model(ids[:, lo:lo + seg], cache=cache, pixel_values=pixels, logits_to_keep=1)
+            images = {} if patch_ids is None else image_inputs(patch_table, patch_ids[:, lo:lo + seg])
+            out = self.model(ids[:, lo:lo + seg], cache=cache, **images, logits_to_keep=1)
         return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
 
     def decode(self, new, state):
@@ -312,14 +312,14 @@ class K3Policy(Policy):
         return {"cache": cache, "route": route}
 
     def extend(self, ids, state, segment_tokens=None, patch_ids=None, patch_table=None):
-        from k3rl.model.vision import placeholder_pixels
+        from k3rl.model.vision import image_inputs
 
         T = ids.shape[1]
         seg = T if not segment_tokens or segment_tokens >= T else int(segment_tokens)
         cache = state["cache"]
         for lo in range(0, T, seg):
-            pixels = None if patch_ids is None else placeholder_pixels(patch_table, patch_ids[:, lo:lo + seg])
-            out = self.model(ids[:, lo:lo + seg], cache=cache, pixel_values=pixels, logits_to_keep=1)
+            images = {} if patch_ids is None else image_inputs(patch_table, patch_ids[:, lo:lo + seg])
+            out = self.model(ids[:, lo:lo + seg], cache=cache, **images, logits_to_keep=1)
         return out.logits[:, -1], {"cache": cache, "route": self.model.last_routed_expert_ids()}
 
     def save(self, directory, state=None, tokenizer_from=None, trust_remote_code=False):
@@ -353,8 +353,8 @@ class HFPolicy(Policy):
         return recompute == "none"
 
     def final_hidden(self, input_ids, attention_mask=None, routed_expert_ids=None, rows=None, position_ids=None,
-                     pixel_values=None):
-        _no_images(self.model, pixel_values)
+                     images=None):
+        _no_images(self.model, images or None)
         packed = {} if position_ids is None else {"position_ids": position_ids}
         out = self.model(input_ids=input_ids, attention_mask=None if packed else attention_mask,
                          output_hidden_states=True, use_cache=False, **packed, **self._keep)

@@ -51,14 +51,17 @@ def pixel_values_of(patches: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return patches.to(dtype) / 255.0
 
 
-def placeholder_pixels(table: torch.Tensor | None, patch_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """The `pixel_values` [n, C, p, p] uint8 of the placeholders that `patch_ids` ([B, T], -1 elsewhere) marks,
-    row-major, from a patch table [M, C, p, p]; None when there is none — any slice of a batch's columns takes its
-    own."""
+def image_inputs(table: torch.Tensor | None, patch_ids: torch.Tensor | None) -> dict:
+    """The model's image arguments for the placeholders that `patch_ids` ([B, T], -1 elsewhere) marks, from a patch
+    table [M, C, p, p] uint8: `pixel_values` [n, C, p, p] (row-major; uint8, scaled by the projection) and
+    `image_mask` [B, T] (a placeholder token outside it, e.g. one a model sampled, stays an ordinary token); {} when
+    none — any slice of a batch's columns takes its own."""
     if table is None or patch_ids is None:
-        return None
-    at = patch_ids[patch_ids >= 0]
-    return table[at] if at.numel() else None  # uint8: scaled by the projection (PatchEmbed.embed)
+        return {}
+    mask = patch_ids >= 0
+    if not bool(mask.any()):
+        return {}
+    return {"pixel_values": table[patch_ids[mask]], "image_mask": mask}
 
 
 class PatchEmbed(nn.Module):
@@ -88,9 +91,14 @@ class PatchEmbed(nn.Module):
         return self.proj(patches.to(self.proj.weight.dtype))
 
     def fuse(self, input_ids: torch.Tensor, embeddings: torch.Tensor,
-             pixel_values: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        """Replace the rows of `embeddings` [B, T, d] at placeholder tokens by the patch embeddings, in order."""
+             pixel_values: torch.Tensor | list[torch.Tensor], image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Replace the rows of `embeddings` [B, T, d] at placeholder tokens (or at `image_mask` [B, T], which must
+        mark placeholders only) by the patch embeddings, in order."""
         at = input_ids == self.placeholder  # [B, T]
+        if image_mask is not None:
+            if bool((image_mask & ~at).any()):
+                raise ValueError("image_mask: marks a position that holds no media placeholder token")
+            at = image_mask
         feats = self.embed(pixel_values)  # [N, d]
         n_slots = int(at.sum())
         if n_slots != feats.shape[0]:

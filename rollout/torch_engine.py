@@ -34,9 +34,11 @@ raw model distribution. A sample stops at EOS, a stop token, a stop string (chec
 decoded tail, kept in the output) or `max_tokens`. K3 models also report the routed expert ids
 of each sampled token (for routing replay).
 
-Images (K3 with image input, `image_patch` set): `generate(..., images=…)` gives each prompt the patches of all its
-placeholders ([n, C, p, p] uint8 in placeholder order, model/vision.py `image_patches`); a full prefill takes them all,
-a resumed session the ones after its kept tokens, each prefill segment its own (model/policy.py `prefill`).
+Images (K3 with image input, `image_patch` set): the model never samples a media token (their logits are masked
+in sampling; the reported logprob stays the raw one), so every placeholder of a context is an image's;
+`generate(..., images=…)` gives each prompt the patches of all its placeholders ([n, C, p, p] uint8 in placeholder
+order, model/vision.py `image_patches`); a full prefill takes them all, a resumed session the ones after its kept
+tokens, each prefill segment its own (model/policy.py `prefill`).
 
 Not done here: a prefix cache shared between sequences across calls (only a session's own state is
 reused) and continuous batching of new requests into a running batch.
@@ -56,10 +58,14 @@ from k3rl.rollout.weight_transfer import merge_adapters, split_adapters
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of logits [B, V]; return (tokens [B], raw logprobs of them [B])."""
+                  generator: torch.Generator | None, banned: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of logits [B, V], never one of `banned` (ids); return (tokens [B], raw logprobs of
+    them [B])."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     raw = torch.log_softmax(logits, dim=-1)  # [B, V]
+    if banned is not None:
+        logits = logits.index_fill(-1, banned, float("-inf"))
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
     else:
@@ -96,6 +102,15 @@ class TorchEngine:
         self.image_patch = None if placeholder is None else int(model.config.image_patch_size)
         """The model's patch size when it reads images, else None."""
         self._placeholder = placeholder
+        self._banned = None
+        """The media tokens (rollout/chat.py `MEDIA_TOKENS`) of a model that reads images: it never samples them, so
+        every placeholder in a context is an image's."""
+        if placeholder is not None:
+            from k3rl.rollout.chat import MEDIA_TOKENS
+
+            unk = getattr(tokenizer, "unk_token_id", None)
+            ids = [i for i in tokenizer.convert_tokens_to_ids(list(MEDIA_TOKENS)) if i is not None and i != unk]
+            self._banned = torch.tensor(sorted({*ids, int(placeholder)}), device=self.device)
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
         self.reuse_state = reuse_state
         self.resume_stale = resume_stale
@@ -221,7 +236,7 @@ class TorchEngine:
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         window = max((len(s) for s in params.stop), default=0) + 2
         for _ in range(params.max_tokens):
-            new, lp = sample_tokens(logits, params.temperature, params.top_p, self.generator)
+            new, lp = sample_tokens(logits, params.temperature, params.top_p, self.generator, self._banned)
             keep = []
             # one device → host read per step for the whole batch (not one per row: a GPU sync each)
             new_ids, new_lps = new.tolist(), lp.tolist()

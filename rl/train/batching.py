@@ -101,12 +101,11 @@ class MicroBatch:
     def num_seqs(self) -> int:
         return self.input_ids.shape[0]
 
-    def pixel_values(self, patch_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The model's `pixel_values` for the placeholders of `patch_ids` (default: the whole batch's), row-major
-        (model/vision.py `placeholder_pixels`)."""
-        from k3rl.model.vision import placeholder_pixels
+    def images(self) -> dict:
+        """The model's image arguments for the batch's placeholders (model/vision.py `image_inputs`)."""
+        from k3rl.model.vision import image_inputs
 
-        return placeholder_pixels(self.patch_table, self.patch_ids if patch_ids is None else patch_ids)
+        return image_inputs(self.patch_table, self.patch_ids)
 
 
 def to_train_sequence(trajectory: Any, advantage: float, media: Optional[tuple[int, int]] = None
@@ -143,17 +142,19 @@ def _patches(trajectory: Any, media: Optional[tuple[int, int]]) -> tuple[Optiona
         return None, None
     placeholder, patch = media
     tokens = np.asarray(trajectory.tokens)
-    slots = tokens[:-1] == placeholder
-    if images is None and not slots.any() and tokens[-1] != placeholder:
+    context = np.asarray(trajectory.loss_mask) == 0  # a placeholder the model sampled is an ordinary token
+    slots = (tokens == placeholder) & context
+    if images is None and not slots.any():
         return None, None
     from k3rl.model.vision import image_patches
 
     pixels = trajectory.pixels() if images is not None else []
     patches = (np.concatenate([image_patches(p, patch) for p in pixels]) if pixels
                else np.zeros((0, 3, patch, patch), dtype=np.uint8))
-    if int((tokens == placeholder).sum()) != len(patches) or tokens[-1] == placeholder:
-        raise ValueError(f"a trajectory with {int((tokens == placeholder).sum())} image placeholders (id "
-                         f"{placeholder}) but {len(patches)} patches in its {len(pixels)} images")
+    if int(slots.sum()) != len(patches) or slots[-1]:
+        raise ValueError(f"a trajectory with {int(slots.sum())} image placeholders (id {placeholder}) but "
+                         f"{len(patches)} patches in its {len(pixels)} images")
+    slots = slots[:-1]
     patch_at = np.where(slots, np.cumsum(slots) - 1, -1).astype(np.int32)
     return patch_at, patches
 

@@ -197,7 +197,7 @@ class Learner:
         else:
             hidden = policy.final_hidden(mb.input_ids, attention_mask=mb.valid.long(), routed_expert_ids=mb.routed,
                                          rows=mb.loss_mask, position_ids=mb.position_ids,
-                                         pixel_values=mb.pixel_values())  # [N, d]
+                                         images=mb.images())  # [N, d]
             logp, ent = score(hidden, torch.arange(hidden.shape[0], device=hidden.device))
         return unit.to_tokens(logp), None if ent is None else unit.to_tokens(ent)
 

@@ -40,7 +40,7 @@ import torch
 
 from k3rl.model.cache import K3Cache
 from k3rl.model.policy import BranchNode
-from k3rl.model.vision import placeholder_pixels
+from k3rl.model.vision import image_inputs
 from k3rl.rl.train.batching import MicroBatch
 from k3rl.rl.train.prefix_tree import PrefixTree
 
@@ -123,9 +123,9 @@ def _run(model, node: BranchNode, lo: int, hi: int, cache: K3Cache, pairs: torch
     """Columns [lo, hi) of a node through the cache → (normed hidden states of its read positions there [n, d],
     their pairs [n])."""
     routed = None if node.routed is None else node.routed[:, lo:hi]
-    pixels = None if node.patch_ids is None else placeholder_pixels(patch_table, node.patch_ids[:, lo:hi])
+    images = {} if node.patch_ids is None else image_inputs(patch_table, node.patch_ids[:, lo:hi])
     out = model(node.ids[:, lo:hi], cache=cache, routed_expert_ids=routed, routing_mask=node.valid[:, lo:hi],
-                pixel_values=pixels, return_hidden_states=True, logits_to_keep=1)
+                **images, return_hidden_states=True, logits_to_keep=1)
     inside = (node.read_t >= lo) & (node.read_t < hi)
     if not bool(inside.any()):
         return out.hidden_states.new_zeros(0, out.hidden_states.shape[-1]), pairs[:0]

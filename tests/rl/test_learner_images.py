@@ -183,3 +183,22 @@ def test_demonstrations_carry_their_images():
         assert len(s.patches) == 12 == int((s.patch_at >= 0).sum())
     with pytest.raises(Exception, match="no_image_input|reads no images"):
         report = collect_demonstrations("digits", 1, 0, tok, {"serve": "context"})
+
+
+def test_a_placeholder_the_model_sampled_is_an_ordinary_token(k3_images):
+    """Only placeholders in the context take patches; one among the sampled tokens (a model that writes
+    `<|media_pad|>`) is embedded like any token — in the learner as in a full forward with that image mask."""
+    learner = make_learner(k3_images)
+    t = batch()[0]
+    sampled = np.flatnonzero(t.loss_mask)[3]
+    t.tokens = t.tokens.copy()
+    t.tokens[sampled] = PAD
+    s = to_train_sequence(t, 0.0, learner._media)
+    assert len(s.patches) == 16 and s.patch_at[sampled] == -1
+    pixels = np.concatenate([image_patches(p, P) for p in t.pixels()])
+    ids = torch.from_numpy(t.tokens.astype(np.int64))[None]
+    mask = (ids == PAD) & torch.from_numpy(t.loss_mask == 0)[None]
+    with torch.no_grad():
+        logits = learner.model(ids, pixel_values=torch.from_numpy(pixels), image_mask=mask).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0][t.loss_mask[1:].astype(bool)]
+    np.testing.assert_allclose(learner.score([t])[0], want.numpy(), rtol=1e-10, atol=1e-12)

@@ -81,7 +81,7 @@ def test_patches_land_on_their_placeholders(k3_tokenizer):
                                 hidden_size=8))
     embed = PatchEmbed(config).double()
     x = torch.tensor([ids])
-    fused = embed.fuse(x, torch.zeros(1, len(ids), 8, dtype=torch.float64), [torch.from_numpy(i.pixels).permute(2, 0, 1)
+    fused = embed.fuse(x, torch.zeros(1, len(ids), 8, dtype=torch.float64), [torch.from_numpy(i.pixels).permute(2, 0, 1).double()
                                                         for i in images])
     for (start, n), img in zip(runs(tok, ids), images):
         patches = patchify(torch.from_numpy(img.pixels).permute(2, 0, 1).double(), P)

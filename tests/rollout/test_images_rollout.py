@@ -113,3 +113,16 @@ def test_same_tokens_other_pixels_are_not_one_prompt(model, tokenizer):
     assert sorted(calls) == [(1, 1), (1, 2)]
     with pytest.raises(ValueError, match="prompt 0 has 2 image placeholders but 1 patches"):
         engine.generate([prompt], SamplingParams(max_tokens=2), images=[a[:1]])
+
+
+def test_a_model_that_reads_images_never_samples_a_media_token(model, tokenizer):
+    from k3rl.rollout.chat import MEDIA_TOKENS
+    from k3rl.rollout.torch_engine import sample_tokens
+
+    engine = TorchEngine(model, tokenizer)
+    media = set(tokenizer.convert_tokens_to_ids(list(MEDIA_TOKENS)))
+    assert set(engine._banned.tolist()) == media
+    logits = torch.zeros(64, len(tokenizer))
+    logits[:, sorted(media)] = 30.0  # the media tokens hold nearly all the mass
+    tokens, logprobs = sample_tokens(logits, 1.0, 1.0, torch.Generator().manual_seed(0), engine._banned)
+    assert not set(tokens.tolist()) & media and (logprobs < -25).all()  # the raw distribution's log-probs

@@ -49,8 +49,10 @@ def task_row(runner: str, gt: GridTask, reward: float, rewards: dict, metrics: d
 
 
 def transcript(messages: Sequence[dict[str, Any]]) -> str:
-    """The messages after the prompt (system, user), one `[role] content` block each."""
-    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages[2:])
+    """The messages after the prompt (system, user), one `[role] content` block each (an image as `[image W×H]`)."""
+    from k3rl.envs.media import message_text
+
+    return "\n".join(f"[{m['role']}] {message_text(m['content'])}" for m in messages[2:])
 
 
 def tokens_read(messages: Sequence[dict[str, Any]], tokenizer: Any) -> int:
@@ -71,7 +73,9 @@ def tokens_read(messages: Sequence[dict[str, Any]], tokenizer: Any) -> int:
     from k3rl.envs.base import as_token_counter
 
     count = as_token_counter(tokenizer)
-    return sum(count(m["content"]) for m in messages if m["role"] != "assistant")
+    from k3rl.envs.media import message_text
+
+    return sum(count(message_text(m["content"])) for m in messages if m["role"] != "assistant")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -76,8 +76,10 @@ def measure_step_memory(learner: Any, trajectories: Sequence[Any]) -> dict[str, 
 
     def forward(*args, **kwargs):
         fwd = original(*args, **kwargs)
-        states = [t for conv, rec in fwd.entering for t in (*conv.values(), *rec.values())]
-        seg_bytes[0] = max(seg_bytes[0], nbytes(states) + 2 * nbytes(fwd.latents.values()))  # latents + gradient
+        # per node of the unit (rl/train/segments.py): each segment's entering KDA states, the latents it wrote
+        states = [t for node in fwd.entering for conv, rec in node for t in (*conv.values(), *rec.values())]
+        latents = [t for own in fwd.latents for t in own.values()]
+        seg_bytes[0] = max(seg_bytes[0], nbytes(states) + 2 * nbytes(latents))  # latents + gradient
         return fwd
 
     def at_step(opt, args, kwargs):

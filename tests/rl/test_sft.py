@@ -259,13 +259,15 @@ def test_loss_is_cross_entropy_on_assistant_tokens_only(which, k3_run, tiny_qwen
 def test_gradient_accumulation_equals_one_batch(which, k3_run, tiny_qwen3_dir):
     """One step on 4 demonstrations of unequal length: micro-batches of 4, 2 and 1 (`sft.batch_size`)
     give the same weights (and, for K3, the same router biases: padding stays out of the balancing).
-    AdamW with ε = 1 makes the first update ≈ lr·g, so equal gradients mean equal weights."""
+    AdamW with ε = 1 makes the first update ≈ lr·g, so equal gradients mean equal weights. Without prefix trees:
+    a tree counts its shared system prompt once in the router statistics, so how the demonstrations fall into
+    micro-batches would move the biases (tests/rl/test_prefix_tree.py checks the gradients with trees)."""
     path = k3_run / "init" if which == "k3" else tiny_qwen3_dir
     data = demonstrations("sft-toy-search", 4, 3, tokenizer_of(path))
     examples = [as_trajectory(r["input_ids"], r["assistant_masks"]) for r in data]
     states = []
     for micro in (4, 2, 1):
-        learner = nll_learner(path, lr=0.5, adam_eps=1.0, max_grad_norm=0.0, micro_batch_seqs=micro)
+        learner = nll_learner(path, lr=0.5, adam_eps=1.0, max_grad_norm=0.0, micro_batch_seqs=micro, share_prefix=False)
         before = {k: v.clone() for k, v in learner.model.state_dict().items()}
         metrics = learner.train_step(examples)
         assert metrics["micro_batches"] == 4 // micro

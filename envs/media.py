@@ -11,7 +11,7 @@ composited on white, grey repeated), then resized (bicubic) so that each side is
 size p, at least p — an image whose sides are multiples of p is kept pixel for pixel. The model reads it as
 (H/p)·(W/p) patches in raster order (model/vision.py); the renderer marks their places with that many placeholder
 tokens (rollout/chat.py). The released K3 processor also merges 2×2 patches after a ViT; the native patch path has no
-tower and no merge (docs/K3_SPEC.md §9).
+tower and no merge (docs/model_spec.md §9).
 
 Budgets (envs/base.py `Budget`): `max_image_pixels` per image (before fitting; more is the error
 `too_many_pixels`), `max_images_per_turn` (the extra images of a turn are left out, with a note), and

@@ -28,7 +28,7 @@ environment, keeps them: it shows the model the call syntax). Text without such 
 unchanged, token for token.
 
 Images (envs/media.py `ImagePart`, in a message's content beside text parts) render as the K3 layout's media run
-(docs/K3_SPEC.md §9, vLLM's `kimi_k3` processor):
+(docs/model_spec.md §9, vLLM's `kimi_k3` processor):
 
     <|media_begin|> "image {W}x{H}" <|media_content|> <|media_pad|> × (H'/p)·(W'/p) <|media_end|>
 

@@ -109,7 +109,8 @@ class TorchEngine:
             from k3rl.rollout.chat import MEDIA_TOKENS
 
             unk = getattr(tokenizer, "unk_token_id", None)
-            ids = [i for i in tokenizer.convert_tokens_to_ids(list(MEDIA_TOKENS)) if i is not None and i != unk]
+            lookup = getattr(tokenizer, "convert_tokens_to_ids", None)  # a bare tokenizer may know ids only
+            ids = [] if lookup is None else [i for i in lookup(list(MEDIA_TOKENS)) if i is not None and i != unk]
             self._banned = torch.tensor(sorted({*ids, int(placeholder)}), device=self.device)
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
         self.reuse_state = reuse_state

@@ -161,17 +161,24 @@ def test_group_first_turn_is_one_prompt_with_n_samples(tiny_qwen3_dir, tokenizer
     assert len({tuple(f) for f in firsts}) > 1  # the samples of a group differ
 
 
+def compaction_setup(tokenizer):
+    """(summary, task, renderer, opening messages, the restart's prompt tokens) of the compaction tests."""
+    from k3rl.rollout.agent_loop import SUMMARY_HEADER
+
+    summary, task = "Added 2 and 3.", {"a": 2, "b": 3}
+    opening = [{"role": "system", "content": Calc().system_message()}, {"role": "user", "content": Calc().reset(task)}]
+    renderer = AgentLoop(None, tokenizer, Calc, SamplingParams()).renderer
+    return summary, task, renderer, opening, renderer.prompt_tokens(
+        opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+
+
 def test_compaction_continues_the_episode_from_its_summary(tokenizer):
     """`Compaction`: past the budget the tool result is followed by the summary request, the summary turn is
     sampled (loss mask 1) and the episode goes on as a second sequence from [system, task, summary]; both
     sequences share the episode id and its reward, and the environment kept its state across the cut."""
-    from k3rl.rollout.agent_loop import SUMMARY_HEADER, Compaction, episode_trajectories
+    from k3rl.rollout.agent_loop import Compaction, episode_trajectories
 
-    summary = "Added 2 and 3."
-    task = {"a": 2, "b": 3}
-    opening = [{"role": "system", "content": Calc().system_message()}, {"role": "user", "content": Calc().reset(task)}]
-    renderer = AgentLoop(None, tokenizer, Calc, SamplingParams()).renderer
-    restart = renderer.prompt_tokens(opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+    summary, task, renderer, opening, restart = compaction_setup(tokenizer)
     first_turn = len(renderer.prompt_tokens(opening)) + len(tokenizer(CALL, add_special_tokens=False)["input_ids"])
     assert first_turn + 8 > len(restart) + 1  # the first tool result crosses the budget below
     compaction = Compaction(tokens=len(restart) + 1, prompt="Summarise <|im_end|> now.", summary_tokens=32)
@@ -206,13 +213,9 @@ def test_compaction_stops_when_the_summary_does_not_shorten_the_context(tokenize
 def test_a_compacted_episode_paused_between_turns_ends_as_the_whole_run(tokenizer):
     """Partial rollouts (`run(max_rounds=1)`, then `resume`) with compaction: the paused episode carries its ended
     sequences and its summary request across the pauses, and ends with the sequences of an uninterrupted run."""
-    from k3rl.rollout.agent_loop import SUMMARY_HEADER, Compaction, episode_trajectories
+    from k3rl.rollout.agent_loop import Compaction, episode_trajectories
 
-    summary = "Added 2 and 3."
-    task = {"a": 2, "b": 3}
-    opening = [{"role": "system", "content": Calc().system_message()}, {"role": "user", "content": Calc().reset(task)}]
-    renderer = AgentLoop(None, tokenizer, Calc, SamplingParams()).renderer
-    restart = renderer.prompt_tokens(opening + [{"role": "user", "content": SUMMARY_HEADER + summary}])
+    summary, task, renderer, opening, restart = compaction_setup(tokenizer)
     compaction = Compaction(tokens=len(restart) + 1, prompt="Summarise.", summary_tokens=32)
     loop, engine, (whole,) = run(tokenizer, [task], [[CALL, summary, ANSWER]], compaction=compaction, prefix_cut=10)
     engine.scripts = [[CALL, summary, ANSWER]]
